@@ -1,0 +1,32 @@
+"""convert: GQA -> MLA checkpoint conversion, exact where the math allows it.
+
+Python API:
+    gqa2mla(src, output=None, **options) -> ConversionResult
+    convert_state_dict(state_dict, config, **options) -> MLAStateDict
+    load_mla_model(path, device=None, dtype=None) -> a transformers causal LM
+"""
+
+__version__ = "0.1.0"
+
+from convert.api import ConversionResult, MLAStateDict, convert_state_dict, gqa2mla  # noqa: E402
+from convert.errors import ConvertError, VerificationFailed  # noqa: E402
+from convert.options import ConvertOptions  # noqa: E402
+
+
+def load_mla_model(path, device=None, dtype=None):
+    """Load a converted checkpoint as a runnable transformers causal LM (see convert.mla.model)."""
+    from convert.mla.model import load_mla_model as _load
+
+    return _load(path, device=device, dtype=dtype)
+
+
+__all__ = [
+    "ConversionResult",
+    "ConvertError",
+    "ConvertOptions",
+    "MLAStateDict",
+    "VerificationFailed",
+    "convert_state_dict",
+    "gqa2mla",
+    "load_mla_model",
+]

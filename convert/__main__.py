@@ -1,0 +1,5 @@
+"""`python -m convert` runs the command line."""
+
+from convert.cli import main
+
+main()

@@ -1,0 +1,452 @@
+"""Open a safetensors checkpoint (single file, sharded directory or HF model dir).
+
+All validation happens at open time by parsing each file's header ourselves,
+so a bad checkpoint fails fast with a one-line ConvertError instead of a
+stack trace halfway through a conversion. Tensor data is never read at open
+time; tensors are read one at a time on demand.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+from safetensors import safe_open
+
+from convert.errors import ConvertError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+# safetensors' own loader refuses headers above 100 MB; anything larger is
+# certainly not a header we should try to parse.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+_NOT_SAFETENSORS_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl", ".gguf", ".h5", ".msgpack"}
+_CONVERT_HINT = (
+    "convert it to safetensors first, e.g. with `transformers`' "
+    "save_pretrained(safe_serialization=True)"
+)
+
+
+def _build_dtype_table() -> dict[str, torch.dtype]:
+    table = {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+    }
+    # F8 types only exist in newer torch builds; map them when available.
+    for code, attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+        if hasattr(torch, attr):
+            table[code] = getattr(torch, attr)
+    return table
+
+
+#: safetensors dtype code -> torch dtype.
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = _build_dtype_table()
+#: torch dtype -> safetensors dtype code.
+TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+def dtype_itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives: its file, dtype, shape and absolute byte range."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute offset in the file (header included)
+    stop: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    """A parsed safetensors header: its tensors (in data order) and metadata."""
+
+    path: Path
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, str]
+
+
+# ---------------------------------------------------------------- header parsing
+
+
+def read_header(path: Path) -> FileHeader:
+    """Parse and validate the header of one safetensors file without reading data."""
+    try:
+        size = path.stat().st_size
+        f = open(path, "rb")
+    except OSError as exc:
+        raise ConvertError(
+            f"{path}: cannot read ({exc.strerror}); check the path and permissions"
+        ) from None
+    with f:
+        raw_len = f.read(8)
+        if len(raw_len) < 8:
+            raise ConvertError(
+                f"{path}: not a safetensors file (only {size} bytes, too short for a header); "
+                f"{_CONVERT_HINT}"
+            )
+        (header_len,) = struct.unpack("<Q", raw_len)
+        if header_len > size - 8 or header_len > MAX_HEADER_BYTES:
+            raise ConvertError(
+                f"{path}: not a safetensors file or truncated (header length field says "
+                f"{header_len} bytes, file has {size}); re-download the file, or {_CONVERT_HINT}"
+            )
+        header_bytes = f.read(header_len)
+    data_start = 8 + header_len
+    header = _parse_header_json(path, header_bytes)
+    metadata = _parse_metadata(path, header.pop("__metadata__", None))
+    tensors = {name: _parse_entry(path, name, spec, data_start) for name, spec in header.items()}
+    _check_data_fits(path, tensors, size, data_start)
+    ordered = dict(sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].stop)))
+    return FileHeader(path=path, tensors=ordered, metadata=metadata)
+
+
+def _parse_header_json(path: Path, header_bytes: bytes) -> dict[str, Any]:
+    # A file that does not even start with '{' is some other format, not a
+    # damaged safetensors file; say so, because the fix is different.
+    if not header_bytes.lstrip().startswith(b"{"):
+        raise ConvertError(f"{path}: not a safetensors file (no JSON header); {_CONVERT_HINT}")
+    try:
+        header = json.loads(header_bytes.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConvertError(
+            f"{path}: corrupt safetensors header (JSON does not parse: {exc}); "
+            "re-download or re-export the checkpoint"
+        ) from None
+    if not isinstance(header, dict):
+        raise ConvertError(
+            f"{path}: corrupt safetensors header (JSON is not an object); "
+            "re-download or re-export the checkpoint"
+        )
+    return header
+
+
+def _parse_metadata(path: Path, meta: Any) -> dict[str, str]:
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise ConvertError(
+            f"{path}: corrupt safetensors header (__metadata__ must map strings to strings); "
+            "re-download or re-export the checkpoint"
+        )
+    return dict(meta)
+
+
+def _corrupt(path: Path, name: str, why: str) -> ConvertError:
+    return ConvertError(
+        f"{path}: corrupt safetensors header, tensor '{name}' {why}; "
+        "re-download or re-export the checkpoint"
+    )
+
+
+def _parse_entry(path: Path, name: str, spec: Any, data_start: int) -> TensorEntry:
+    if not isinstance(spec, dict):
+        raise _corrupt(path, name, "is not a JSON object")
+    for field in ("dtype", "shape", "data_offsets"):
+        if field not in spec:
+            raise _corrupt(path, name, f"lacks '{field}'")
+    code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    if code not in SAFETENSORS_DTYPES:
+        raise ConvertError(
+            f"{path}: tensor '{name}' has unsupported dtype {code!r} "
+            f"(supported: {', '.join(SAFETENSORS_DTYPES)}); re-export the checkpoint in "
+            "one of these dtypes"
+        )
+    if not isinstance(shape, list) or not all(_is_nonneg_int(d) for d in shape):
+        raise _corrupt(path, name, f"has invalid shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_nonneg_int(o) for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise _corrupt(path, name, f"has invalid data_offsets {offsets!r}")
+    dtype = SAFETENSORS_DTYPES[code]
+    expected = math.prod(shape) * dtype_itemsize(dtype)
+    if offsets[1] - offsets[0] != expected:
+        raise _corrupt(
+            path,
+            name,
+            f"has data_offsets {offsets} spanning {offsets[1] - offsets[0]} bytes but shape "
+            f"{shape} x {code} needs {expected}",
+        )
+    return TensorEntry(path, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
+def _is_nonneg_int(x: Any) -> bool:
+    # bool is an int subclass in Python; a shape of [true] is still corrupt.
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_data_fits(
+    path: Path, tensors: dict[str, TensorEntry], size: int, data_start: int
+) -> None:
+    declared = max((e.stop for e in tensors.values()), default=data_start) - data_start
+    available = size - data_start
+    if declared > available:
+        raise ConvertError(
+            f"{path}: file is truncated (header declares {declared} bytes of data, file has "
+            f"{available}); re-download or re-export the checkpoint"
+        )
+    # safetensors itself refuses files whose data has holes, overlaps or
+    # trailing bytes; catch that here rather than at the first read.
+    cursor = data_start
+    for name, entry in sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].stop)):
+        if entry.start != cursor:
+            raise _corrupt(path, name, "has data_offsets that overlap or leave a gap")
+        cursor = entry.stop
+    if declared < available:
+        raise ConvertError(
+            f"{path}: corrupt safetensors file ({available - declared} bytes after the last "
+            "tensor's data); re-download or re-export the checkpoint"
+        )
+
+
+# ---------------------------------------------------------------- locating files
+
+
+def _read_json(path: Path, what: str, fix: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConvertError(f"{path}: {what} is not valid JSON ({exc}); {fix}") from None
+
+
+def _read_config(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    config = _read_json(path, "config", "fix or re-download config.json")
+    if not isinstance(config, dict):
+        raise ConvertError(f"{path}: config is not a JSON object; fix or re-download config.json")
+    return config
+
+
+def _read_index(index_path: Path) -> dict[str, str]:
+    fix = "fix or re-download model.safetensors.index.json"
+    index = _read_json(index_path, "index", fix)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise ConvertError(
+            f"{index_path}: index has no valid 'weight_map' (tensor name -> shard file); {fix}"
+        )
+    return weight_map
+
+
+def _locate(path: Path) -> tuple[Path, list[Path], Path | None]:
+    """Return (root, safetensors files, index path or None) for a user path."""
+    if not path.exists():
+        raise ConvertError(f"{path}: no such file or directory; check the checkpoint path")
+    if path.is_dir():
+        return _locate_in_dir(path)
+    if path.name == INDEX_NAME:
+        return path.parent, [], path
+    if path.suffix.lower() in _NOT_SAFETENSORS_SUFFIXES:
+        raise ConvertError(f"{path}: not a safetensors file; {_CONVERT_HINT}")
+    return path.parent, [path], None
+
+
+def _locate_in_dir(path: Path) -> tuple[Path, list[Path], Path | None]:
+    if (path / INDEX_NAME).is_file():
+        return path, [], path / INDEX_NAME
+    if (path / SINGLE_NAME).is_file():
+        return path, [path / SINGLE_NAME], None
+    found = sorted(p for p in path.glob("*.safetensors") if p.is_file())
+    if len(found) == 1:
+        return path, found, None
+    if len(found) > 1:
+        raise ConvertError(
+            f"{path}: directory holds {len(found)} .safetensors files but no {INDEX_NAME}; "
+            "point at one file or add an index"
+        )
+    others = sorted(p.name for p in path.iterdir() if p.suffix.lower() in _NOT_SAFETENSORS_SUFFIXES)
+    if others:
+        raise ConvertError(
+            f"{path}: no .safetensors files (found {others[0]}); {_CONVERT_HINT}"
+        )
+    raise ConvertError(f"{path}: directory holds no .safetensors files; check the checkpoint path")
+
+
+def _load_sharded(root: Path, index_path: Path) -> tuple[list[FileHeader], dict[str, TensorEntry]]:
+    weight_map = _read_index(index_path)
+    shard_names = sorted(set(weight_map.values()))
+    headers: dict[str, FileHeader] = {}
+    for shard in shard_names:
+        shard_path = root / shard
+        if not shard_path.is_file():
+            raise ConvertError(
+                f"{index_path}: references shard '{shard}' which does not exist in {root}; "
+                "re-download the missing shard"
+            )
+        headers[shard] = read_header(shard_path)
+    entries: dict[str, TensorEntry] = {}
+    for header in headers.values():
+        for name, entry in header.tensors.items():
+            # The index is authoritative (it is what transformers loads);
+            # tensors a shard holds but the index does not list are ignored.
+            if weight_map.get(name) == header.path.name:
+                entries[name] = entry
+    for name, shard in weight_map.items():
+        if name not in entries:
+            raise ConvertError(
+                f"{index_path}: lists tensor '{name}' in '{shard}' but that shard has no such "
+                "tensor; re-download the checkpoint or fix the index"
+            )
+    return list(headers.values()), entries
+
+
+# ---------------------------------------------------------------- Checkpoint
+
+
+class Checkpoint:
+    """A validated, lazily-read safetensors checkpoint.
+
+    Use :func:`open_checkpoint` to create one. Tensors are read one at a
+    time; one ``safe_open`` handle is kept per file, opened on first use.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path: Path = Path(path)
+        root, files, index_path = _locate(self.path)
+        self.root: Path = root
+        if index_path is not None:
+            headers, self._entries = _load_sharded(root, index_path)
+        else:
+            headers = [read_header(f) for f in files]
+            self._entries = {n: e for h in headers for n, e in h.tensors.items()}
+        self.files: list[Path] = [h.path for h in headers]
+        self.metadata: dict[str, str] = dict(headers[0].metadata) if headers else {}
+        self.config: dict[str, Any] | None = _read_config(root / CONFIG_NAME)
+        self._handles: dict[Path, Any] = {}
+        self._raw: dict[Path, BinaryIO] = {}
+
+    # -- introspection
+    def keys(self) -> list[str]:
+        """Tensor names, in file order (files in order, then by data offset)."""
+        return list(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entry(self, name: str) -> TensorEntry:
+        """The location record of ``name``; ConvertError if absent."""
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise ConvertError(
+                f"tensor '{name}' not found in checkpoint {self.path} "
+                f"({len(self._entries)} tensors); check the model architecture or the checkpoint"
+            ) from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of ``name`` as recorded in the header."""
+        return self.entry(name).shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        """torch dtype of ``name``."""
+        return self.entry(name).dtype
+
+    def nbytes(self, name: str) -> int:
+        """Size in bytes of ``name``'s data."""
+        return self.entry(name).nbytes
+
+    def total_bytes(self) -> int:
+        """Sum of the data sizes of all tensors."""
+        return sum(e.nbytes for e in self._entries.values())
+
+    # -- reading
+    def _handle(self, file: Path) -> Any:
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = safe_open(str(file), framework="pt")
+            self._handles[file] = handle
+        return handle
+
+    def get(self, name: str) -> torch.Tensor:
+        """Read one tensor (only its bytes) from disk."""
+        entry = self.entry(name)
+        return self._handle(entry.file).get_tensor(name)
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Read rows ``start:stop`` of the first dimension of ``name``."""
+        entry = self.entry(name)
+        return self._handle(entry.file).get_slice(name)[start:stop]
+
+    def raw_bytes(self, name: str) -> bytes:
+        """The tensor's exact bytes as stored in the file (for bit-for-bit copies)."""
+        entry = self.entry(name)
+        f = self._raw.get(entry.file)
+        if f is None:
+            f = open(entry.file, "rb")
+            self._raw[entry.file] = f
+        f.seek(entry.start)
+        data = f.read(entry.nbytes)
+        if len(data) != entry.nbytes:
+            raise ConvertError(
+                f"{entry.file}: tensor '{name}' data ends early (file shrank while open?); "
+                "re-download or re-export the checkpoint"
+            )
+        return data
+
+    # -- lifetime
+    def close(self) -> None:
+        """Release all open file handles."""
+        for handle in self._handles.values():
+            # safe_open handles release their mmap on __exit__.
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+        for f in self._raw.values():
+            f.close()
+        self._raw.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        n_tensors, n_files = len(self._entries), len(self.files)
+        return f"Checkpoint({str(self.path)!r}, {n_tensors} tensors, {n_files} files)"
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Open and validate a checkpoint.
+
+    ``path`` may be a ``.safetensors`` file, a directory with
+    ``model.safetensors.index.json`` (sharded), or a directory with a single
+    ``model.safetensors`` (or exactly one ``*.safetensors``). ``config.json``
+    next to the weights is parsed when present. Raises ConvertError with a
+    one-line message for every kind of bad input.
+    """
+    return Checkpoint(Path(path))

@@ -1,0 +1,415 @@
+"""Streaming, atomic, sharded safetensors writer.
+
+The full tensor plan (name -> shape, dtype) is known up front, so every
+shard's header is written and the file preallocated before any data arrives.
+Each ``write()`` then seeks to the tensor's slot, which lets tensors arrive in
+any order while memory stays bounded by one tensor.
+
+Everything is written to a hidden temporary sibling directory and renamed
+into place only by ``commit()``, so a failed conversion never leaves a
+half-written output directory behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from convert.errors import ConvertError
+from convert.io.reader import INDEX_NAME, SINGLE_NAME, TORCH_TO_SAFETENSORS, dtype_itemsize
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte size: ``"5GB"`` -> 5*10**9, ``"2GiB"`` -> 2*2**30, ``"1000"`` -> 1000."""
+    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
+        return text
+    match = _SIZE_RE.match(str(text))
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ConvertError(
+            f"--max-shard-size: cannot parse {str(text)!r}; "
+            "use bytes or a unit like 5GB, 500MB, 2GiB"
+        )
+    try:
+        size = int(Decimal(match.group(1)) * _UNITS[unit])
+    except InvalidOperation:  # pragma: no cover - the regex admits only decimals
+        size = 0
+    if size <= 0:
+        raise ConvertError(
+            f"--max-shard-size: {str(text)!r} is not a positive size; use e.g. 5GB, 500MB, 2GiB"
+        )
+    return size
+
+
+@dataclass
+class _Slot:
+    """Where one planned tensor goes."""
+
+    shard: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int = 0  # absolute offset in the shard file
+    nbytes: int = 0
+
+
+@dataclass
+class _Shard:
+    """One output file: its tensors in data order and its total size."""
+
+    names: list[str] = field(default_factory=list)
+    data_bytes: int = 0
+    filename: str = ""
+    file_size: int = 0
+
+
+def _shard_filename(index: int, count: int) -> str:
+    if count == 1:
+        return SINGLE_NAME
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes in row-major order, without numpy dtype limitations."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    # Viewing as uint8 works for every dtype (bf16, fp8, bool) and numpy
+    # always understands uint8; no copy beyond contiguous() is made.
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+class CheckpointWriter:
+    """Write a (possibly sharded) safetensors checkpoint atomically.
+
+    ``plan`` maps every tensor name to ``(shape, dtype)``, in the order the
+    tensors should be laid out across shards. A new shard starts when the
+    next tensor would push the current one past ``max_shard_size`` bytes.
+    Use as a context manager; ``commit()`` must be called explicitly, and
+    leaving the block without it (or with an exception) aborts.
+    """
+
+    def __init__(
+        self,
+        output: Path,
+        plan: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        max_shard_size: int,
+        force: bool = False,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self.output = Path(output)
+        self.force = force
+        if max_shard_size <= 0:
+            raise ConvertError(
+                f"--max-shard-size: must be positive, got {max_shard_size}; use e.g. 5GB"
+            )
+        if self.output.exists() and not force:
+            raise ConvertError(
+                f"{self.output} exists; pass --force to replace it or choose another -o"
+            )
+        self._metadata = self._check_metadata(metadata)
+        self._slots = self._check_plan(plan)
+        self._shards = self._assign_shards(max_shard_size)
+        self._written: set[str] = set()
+        self._extra_files: set[str] = set()
+        self._done = False
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = Path(
+            tempfile.mkdtemp(prefix=f".{self.output.name}.tmp-", dir=self.output.parent)
+        )
+        try:
+            self._preallocate()
+        except BaseException:
+            self.abort()
+            raise
+
+    # ------------------------------------------------------------ planning
+
+    @staticmethod
+    def _check_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
+        # transformers refuses safetensors files whose metadata lacks format=pt.
+        merged = {"format": "pt", **(metadata or {})}
+        for key, value in merged.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise ConvertError(
+                    f"safetensors metadata {key!r}: keys and values must be strings; "
+                    "convert them with str()"
+                )
+        return merged
+
+    @staticmethod
+    def _check_plan(plan: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, _Slot]:
+        slots: dict[str, _Slot] = {}
+        for name, (shape, dtype) in plan.items():
+            if name == "__metadata__":
+                raise ConvertError(
+                    "tensor name '__metadata__' is reserved by safetensors; rename the tensor"
+                )
+            if dtype not in TORCH_TO_SAFETENSORS:
+                raise ConvertError(
+                    f"tensor '{name}': dtype {dtype} cannot be stored in safetensors; cast it to "
+                    "float32, float16 or bfloat16"
+                )
+            shape = tuple(int(d) for d in shape)
+            if any(d < 0 for d in shape):
+                raise ConvertError(
+                    f"tensor '{name}': negative dimension in planned shape {shape}; fix the plan"
+                )
+            nbytes = math.prod(shape) * dtype_itemsize(dtype)
+            slots[name] = _Slot(shard=-1, shape=shape, dtype=dtype, nbytes=nbytes)
+        return slots
+
+    def _assign_shards(self, max_shard_size: int) -> list[_Shard]:
+        shards = [_Shard()]
+        for name, slot in self._slots.items():
+            current = shards[-1]
+            if current.names and current.data_bytes + slot.nbytes > max_shard_size:
+                current = _Shard()
+                shards.append(current)
+            current.names.append(name)
+            current.data_bytes += slot.nbytes
+            slot.shard = len(shards) - 1
+        for i, shard in enumerate(shards):
+            shard.filename = _shard_filename(i, len(shards))
+        return shards
+
+    def _header_bytes(self, shard: _Shard) -> bytes:
+        """Lay out ``shard``'s tensors and return its padded header (length prefix included)."""
+        # Largest item size first keeps every tensor aligned to its element
+        # size (the data section starts at a multiple of 8), as safetensors does.
+        ordered = sorted(shard.names, key=lambda n: -dtype_itemsize(self._slots[n].dtype))
+        shard.names = ordered
+        header: dict[str, Any] = {"__metadata__": self._metadata}
+        cursor = 0
+        for name in ordered:
+            slot = self._slots[name]
+            header[name] = {
+                "dtype": TORCH_TO_SAFETENSORS[slot.dtype],
+                "shape": list(slot.shape),
+                "data_offsets": [cursor, cursor + slot.nbytes],
+            }
+            slot.offset = cursor  # relative for now; made absolute below
+            cursor += slot.nbytes
+        body = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        body += b" " * (-len(body) % 8)
+        return struct.pack("<Q", len(body)) + body
+
+    def _preallocate(self) -> None:
+        for shard in self._shards:
+            head = self._header_bytes(shard)
+            for name in shard.names:
+                self._slots[name].offset += len(head)
+            shard.file_size = len(head) + shard.data_bytes
+            with open(self._tmp / shard.filename, "wb") as f:
+                f.write(head)
+                # Sparse preallocation: reserves the final size so writes can
+                # seek anywhere, without touching the data blocks.
+                f.truncate(shard.file_size)
+
+    # ------------------------------------------------------------ writing
+
+    @property
+    def tmp_dir(self) -> Path:
+        """The temporary directory everything is written to before commit."""
+        return self._tmp
+
+    @property
+    def shard_files(self) -> list[str]:
+        """Shard file names, in order."""
+        return [s.filename for s in self._shards]
+
+    def _slot_for(self, name: str, nbytes: int | None = None) -> _Slot:
+        self._check_open()
+        slot = self._slots.get(name)
+        if slot is None:
+            raise ConvertError(
+                f"tensor '{name}' is not in the output plan; add it to the plan or drop it"
+            )
+        if name in self._written:
+            raise ConvertError(f"tensor '{name}' written twice; write each planned tensor once")
+        if nbytes is not None and nbytes != slot.nbytes:
+            raise ConvertError(
+                f"tensor '{name}': got {nbytes} bytes, plan needs {slot.nbytes} "
+                f"({list(slot.shape)} x {slot.dtype}); fix the plan or the data"
+            )
+        return slot
+
+    def _put(self, name: str, slot: _Slot, data: bytes | memoryview) -> None:
+        path = self._tmp / self._shards[slot.shard].filename
+        with open(path, "r+b") as f:
+            f.seek(slot.offset)
+            f.write(data)
+        self._written.add(name)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write planned tensor ``name``; shape and dtype must match the plan exactly."""
+        slot = self._slot_for(name)
+        if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
+            raise ConvertError(
+                f"tensor '{name}': got shape {list(tensor.shape)} {tensor.dtype}, plan says "
+                f"{list(slot.shape)} {slot.dtype}; fix the conversion or the plan"
+            )
+        self._put(name, slot, _tensor_bytes(tensor))
+
+    def write_raw(self, name: str, data: bytes) -> None:
+        """Write planned tensor ``name`` from its exact little-endian bytes."""
+        slot = self._slot_for(name, len(data))
+        self._put(name, slot, data)
+
+    def _extra_path(self, filename: str) -> Path:
+        self._check_open()
+        rel = Path(filename)
+        reserved = {INDEX_NAME, *self.shard_files}
+        if rel.is_absolute() or ".." in rel.parts or not rel.parts or str(rel) in reserved:
+            raise ConvertError(
+                f"output file '{filename}': must be a relative name inside the output directory "
+                "and not a weights file; choose another name"
+            )
+        path = self._tmp / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._extra_files.add(str(rel))
+        return path
+
+    def write_json(self, filename: str, obj: Any) -> None:
+        """Write ``obj`` as indented JSON to ``filename`` in the output directory."""
+        self.write_text(filename, json.dumps(obj, indent=2) + "\n")
+
+    def write_text(self, filename: str, text: str) -> None:
+        """Write UTF-8 ``text`` to ``filename`` in the output directory."""
+        self._extra_path(filename).write_text(text, encoding="utf-8")
+
+    def write_file(self, filename: str, data: bytes) -> None:
+        """Write raw ``data`` to ``filename`` in the output directory."""
+        self._extra_path(filename).write_bytes(data)
+
+    # ------------------------------------------------------------ finishing
+
+    def _check_open(self) -> None:
+        if self._done:
+            raise ConvertError(
+                f"{self.output}: writer already committed or aborted; create a new writer"
+            )
+
+    def _check_complete(self) -> None:
+        missing = [n for n in self._slots if n not in self._written]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise ConvertError(
+                f"{self.output}: planned tensor '{missing[0]}'{more} never written; "
+                "this is a converter bug, please report it"
+            )
+
+    def _write_index(self) -> None:
+        if len(self._shards) == 1:
+            return
+        weight_map = {
+            name: self._shards[slot.shard].filename for name, slot in self._slots.items()
+        }
+        index = {
+            "metadata": {"total_size": sum(s.nbytes for s in self._slots.values())},
+            "weight_map": weight_map,
+        }
+        (self._tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+    def _fsync_tree(self) -> None:
+        for path in sorted(self._tmp.rglob("*")):
+            if path.is_file():
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+        _fsync_dir(self._tmp)
+
+    def _swap_into_place(self) -> None:
+        old: Path | None = None
+        if self.output.exists() or self.output.is_symlink():
+            if not self.force:
+                raise ConvertError(
+                    f"{self.output} exists; pass --force to replace it or choose another -o"
+                )
+            # Move the old output aside first so there is never a moment
+            # with neither the old nor the new one in place.
+            old = Path(tempfile.mkdtemp(prefix=f".{self.output.name}.old-", dir=self.output.parent))
+            old.rmdir()
+            os.replace(self.output, old)
+        try:
+            os.replace(self._tmp, self.output)
+        except BaseException:
+            if old is not None:
+                os.replace(old, self.output)
+            raise
+        _fsync_dir(self.output.parent)
+        if old is not None:
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
+
+    def commit(self) -> Path:
+        """Check completeness, fsync, and rename into place; returns the output dir.
+
+        On failure the temporary directory is removed and nothing is created.
+        """
+        self._check_open()
+        try:
+            self._check_complete()
+            self._write_index()
+            self._fsync_tree()
+            self._swap_into_place()
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        return self.output
+
+    def abort(self) -> None:
+        """Discard everything written; safe to call more than once."""
+        if self._done:
+            return
+        self._done = True
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # commit() is deliberate; leaving the block without it discards the output.
+        self.abort()
+
+
+def _fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename is durable (not supported on every OS)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

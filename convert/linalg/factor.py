@@ -1,0 +1,78 @@
+"""Low-rank factorizations `W = up @ down` of key/value projections (DESIGN §2).
+
+All factorizations run in float64 and return float64; callers cast at the end.
+We never SVD the tiled (H·d × D) matrix: its row space is the row space of the
+(G·d × D) matrix, so factoring the small one and picking rows per head is the
+same subspace at H/G times less work.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Factor:
+    """`weight ≈ up @ down` with `up` (m × r) and `down` (r × X).
+
+    `singular_values` holds every singular value of the factored matrix and
+    `kept` the ones the factorization keeps, so callers can report the retained
+    energy. `freq_index` is set for RoPE key latents: latent pair p (dims p and
+    p + r/2, rotate_half layout) rotates with original frequency `freq_index[p]`.
+    """
+
+    up: torch.Tensor
+    down: torch.Tensor
+    singular_values: torch.Tensor
+    kept: torch.Tensor
+    freq_index: torch.Tensor | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+    def retained_energy(self) -> float:
+        """Fraction of the squared Frobenius norm the kept singular values carry."""
+        total = float((self.singular_values**2).sum())
+        return 1.0 if total == 0 else float((self.kept**2).sum()) / total
+
+
+def exact_rank(weight_rows: int, in_features: int) -> int:
+    """The rank at which a (rows × in) factorization is exact for any weights."""
+    return min(weight_rows, in_features)
+
+
+def numerical_rank(weight: torch.Tensor) -> int:
+    """Rank of `weight` with numpy's default tolerance, computed in float64."""
+    s = torch.linalg.svdvals(weight.double())
+    if s.numel() == 0 or s[0] == 0:
+        return 0
+    tol = s[0] * max(weight.shape) * torch.finfo(torch.float64).eps
+    return int((s > tol).sum())
+
+
+def real_factor(weight: torch.Tensor, rank: int | None = None) -> Factor:
+    """SVD factorization `weight = U_r (S_r V_rᵀ)`; exact when `rank` is None.
+
+    weight: (m, X). Returns up (m, r), down (r, X) with down = S Vᵀ, as the seed's
+    Part 9 (`W^{DKV} = diag(σ) Vᵀ`, `W^{UM} = U`).
+    """
+    w = weight.double()
+    u, s, vh = torch.linalg.svd(w, full_matrices=False)  # u (m,k) s (k,) vh (k,X)
+    r = exact_rank(*w.shape) if rank is None else rank
+    return Factor(up=u[:, :r], down=s[:r, None] * vh[:r], singular_values=s, kept=s[:r])
+
+
+def joint_factor(key: torch.Tensor, value: torch.Tensor, rank: int | None = None) -> tuple[Factor, Factor]:
+    """One shared latent for keys and values (seed Part 14, DeepSeek's `W^{DKV}`).
+
+    SVD of the stacked `[W^K; W^V]` (2G·d × D). Exact at its numerical rank, the
+    default. Returns the key factor and the value factor; they share `down`.
+    """
+    stacked = torch.cat([key, value]).double()  # (2G·d, D)
+    r = numerical_rank(stacked) if rank is None else rank
+    both = real_factor(stacked, r)
+    n_key_rows = key.shape[0]
+    key_f = Factor(both.up[:n_key_rows], both.down, both.singular_values, both.kept)
+    value_f = Factor(both.up[n_key_rows:], both.down, both.singular_values, both.kept)
+    return key_f, value_f

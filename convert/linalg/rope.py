@@ -1,0 +1,78 @@
+"""Exact absorption with RoPE keys: the per-frequency complex latent (DESIGN §4).
+
+RoPE (rotate_half layout) rotates pair j of every head, dims (j, j + d/2), by
+the same angle m·θ_j. Read pair j of group g as a complex number:
+    k_{g,j} = k[g·d + j] + i·k[g·d + j + d/2].
+Per frequency the keys are `A_j y` with complex `A_j` (G × X). The complex SVD
+`A_j = U_j (S_j V_jᴴ)` gives a latent `c_j = S_j V_jᴴ y` that RoPE may rotate
+by the same e^{i m θ_j}, because a complex scalar commutes with `U_j`.
+
+In real terms this is a factorization `W^K = up @ down` whose `up` maps latent
+pair p (dims p, p + P) onto key pair j = freq_index[p] (dims j, j + d/2) by a
+2×2 rotation-scaling block, so `R_m up = up R̃_m`: rotating the latent with the
+same cos/sin is the same as rotating the keys. Absorbing `up` into the queries
+is then the ordinary `(W^{UK}_h)ᵀ W^Q_h`.
+"""
+
+import torch
+
+from convert.linalg.factor import Factor
+
+
+def complex_pairs(weight: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """(G·d, X) real key weights -> (d/2, G, X) complex `A_j` per frequency j."""
+    w = weight.double().reshape(n_kv_heads, -1, weight.shape[-1])  # (G, d, X)
+    half = w.shape[1] // 2
+    a = torch.complex(w[:, :half], w[:, half:])  # (G, d/2, X)
+    return a.permute(1, 0, 2)  # (d/2, G, X)
+
+
+def _kept_pairs(s: torch.Tensor, n_pairs: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices (freq j, component t) of the complex singular values to keep.
+
+    All of them when `n_pairs` is None, else the largest `n_pairs` across every
+    frequency (plain truncation: the best rank for the keys' Frobenius error).
+    Returned sorted by (j, t) so the latent reads in frequency order.
+    """
+    n_freq, k = s.shape
+    flat = torch.arange(n_freq * k)
+    if n_pairs is not None:
+        flat = torch.topk(s.reshape(-1), n_pairs).indices.sort().values
+    return flat // k, flat % k
+
+
+def rope_factor(weight: torch.Tensor, n_kv_heads: int, rank: int | None = None) -> Factor:
+    """Factor RoPE key weights (G·d, X) so the latent rotates exactly like the keys.
+
+    rank: real latent dims r_K (even); None keeps every complex component,
+    r_K = 2·(d/2)·min(G, X), exact. Returns up (G·d, r_K), down (r_K, X) and
+    freq_index (r_K/2,).
+    """
+    if rank is not None and rank % 2:
+        raise ValueError(f"a RoPE key latent has an even number of dims (pairs); got rank {rank}")
+    a = complex_pairs(weight, n_kv_heads)  # (d/2, G, X)
+    u, s, vh = torch.linalg.svd(a, full_matrices=False)  # (d/2,G,k) (d/2,k) (d/2,k,X)
+    j, t = _kept_pairs(s, None if rank is None else rank // 2)
+    c = s[j, t, None] * vh[j, t]  # (P, X) complex latent rows
+    down = torch.cat([c.real, c.imag])  # (2P, X): [Re block; Im block]
+    up = _rotation_blocks(u[j, :, t], j, weight.shape[0] // n_kv_heads)  # (G·d, 2P)
+    return Factor(up=up, down=down, singular_values=s.reshape(-1), kept=s[j, t], freq_index=j)
+
+
+def _rotation_blocks(u_sel: torch.Tensor, freq: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Real (G·d, 2P) up-projection from the complex coefficients u_sel (P, G).
+
+    Key pair (g, j) = Σ_p U[g,p]·c_p, written out in real and imaginary parts:
+        k[j]       = Re U · Re c − Im U · Im c
+        k[j + d/2] = Im U · Re c + Re U · Im c
+    """
+    n_pairs, n_groups = u_sel.shape
+    half = head_dim // 2
+    p = torch.arange(n_pairs)
+    up = torch.zeros(n_groups, head_dim, 2 * n_pairs, dtype=torch.float64)  # (G, d, 2P)
+    coeff = u_sel.T  # (G, P)
+    up[:, freq, p] = coeff.real
+    up[:, freq, n_pairs + p] = -coeff.imag
+    up[:, freq + half, p] = coeff.imag
+    up[:, freq + half, n_pairs + p] = coeff.real
+    return up.reshape(n_groups * head_dim, 2 * n_pairs)  # (G·d, 2P)

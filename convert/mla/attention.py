@@ -1,0 +1,173 @@
+"""The runnable MLA attention: a drop-in for a transformers attention module.
+
+Two layouts over the same cached latent (DESIGN §3, §4):
+- absorbed: MQA with head dim r over the latent. Queries come from Ŵ^Q; RoPE
+  rotates latent pair p with the source frequency `freq_index[p]`, so the cache
+  holds the rotated key latent and the value latent, nothing per head.
+- factored: cache the latents, up-project keys and values per head at run time,
+  then apply the source model's RoPE to queries and keys.
+
+The cache (a transformers `Cache`) holds latents only: keys slot (B, 1, S, r_K),
+values slot (B, 1, S, r_V) (joint: values slot empty, the key latent serves
+both). The factored layout with RoPE also keeps each cached token's position
+(int64) beside the latent, because RoPE is applied after the up-projection.
+"""
+
+import torch
+from torch import nn
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rotate_half RoPE, the convention of HF Llama/Mistral/Qwen2."""
+    return x * cos + rotate_half(x) * sin
+
+
+def latent_cos_sin(cos: torch.Tensor, sin: torch.Tensor, freq_index: torch.Tensor):
+    """Source (…, d) cos/sin -> latent (…, r_K): pair p takes frequency freq_index[p].
+
+    Gathering from the source model's own cos/sin keeps every RoPE variant
+    (rope_theta, llama3/yarn/linear scaling, attention scaling) exactly as the
+    source computes it.
+    """
+    cos_p = cos.index_select(-1, freq_index)  # (…, P)
+    sin_p = sin.index_select(-1, freq_index)
+    return torch.cat([cos_p, cos_p], dim=-1), torch.cat([sin_p, sin_p], dim=-1)  # (…, 2P)
+
+
+class MLAAttention(nn.Module):
+    """MLA attention converted from a GQA layer; same call signature as HF attention.
+
+    layer: this layer's entry of config.json `mla.layers` (ranks, key_freq_index,
+    bias), mla: the `mla` section (layout, latent, n_heads, head_dim, …).
+    """
+
+    def __init__(self, hidden_size: int, mla: dict, layer: dict, layer_idx: int, rotary=None, causal: bool = True):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layout, self.joint = mla["layout"], mla["latent"] == "joint"
+        self.n_heads, self.head_dim = mla["n_heads"], mla["head_dim"]
+        self.scaling = mla["softmax_scale"]
+        self.rope = mla["rope"] is not None
+        self.is_causal = causal
+        rank_k = layer["rank_kv"] if self.joint else layer["rank_k"]
+        rank_v = layer["rank_kv"] if self.joint else layer["rank_v"]
+        self.rank_k, self.rank_v = rank_k, rank_v
+        bias = set(layer.get("bias", ()))
+        if self.joint:
+            self.kv_down = nn.Linear(hidden_size, rank_k, bias=False)
+        else:
+            self.k_down = nn.Linear(hidden_size, rank_k, bias="k_down" in bias)
+            self.v_down = nn.Linear(hidden_size, rank_v, bias=False)
+        if self.layout == "absorbed":
+            self.q_absorbed = nn.Linear(hidden_size, self.n_heads * rank_k, bias="q_absorbed" in bias)
+            self.o_absorbed = nn.Linear(self.n_heads * rank_v, hidden_size, bias="o_absorbed" in bias)
+            freq = layer.get("key_freq_index")
+            self.register_buffer("freq_index", torch.tensor(freq if freq else [], dtype=torch.long), persistent=False)
+        else:
+            inner = self.n_heads * self.head_dim
+            self.q_proj = nn.Linear(hidden_size, inner, bias="q_proj" in bias)
+            self.k_up = nn.Linear(rank_k, inner, bias=False)
+            self.v_up = nn.Linear(rank_v, inner, bias=False)
+            self.o_proj = nn.Linear(inner, hidden_size, bias="o_proj" in bias)
+        # The source model's rotary embedding, shared and not a submodule: the
+        # factored layout needs cos/sin of cached positions.
+        object.__setattr__(self, "rotary", rotary)
+
+    def latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, L, D) hidden states -> key latent (B, L, r_K), value latent (B, L, r_V)."""
+        if self.joint:
+            c = self.kv_down(x)
+            return c, c
+        return self.k_down(x), self.v_down(x)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        if self.layout == "absorbed":
+            out = self._absorbed(hidden_states, position_embeddings, attention_mask, past_key_values)
+        else:
+            positions = kwargs.get("position_ids")
+            out = self._factored(hidden_states, position_embeddings, attention_mask, past_key_values, positions)
+        return out, None
+
+    def _attend(self, q, k, v, attention_mask):
+        """q (B, H, L, e), k (B, 1|H, S, e), v (B, 1|H, S, f) -> (B, L, H·f)."""
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling  # (B, H, L, S)
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask[..., : k.shape[-2]], float("-inf"))
+        elif attention_mask is not None:
+            scores = scores + attention_mask[..., : k.shape[-2]]
+        elif self.is_causal and q.shape[-2] > 1:
+            scores = scores + _causal_mask(q.shape[-2], k.shape[-2], scores)
+        # float32 at least, as transformers does for half precision; float64 stays float64
+        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+        out = torch.matmul(probs, v)  # (B, H, L, f)
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)  # (B, L, H·f)
+
+    def _absorbed(self, x, position_embeddings, attention_mask, cache):
+        batch, length, _ = x.shape
+        c_k, c_v = self.latents(x)  # (B, L, r_K), (B, L, r_V)
+        q = self.q_absorbed(x).view(batch, length, self.n_heads, self.rank_k).transpose(1, 2)  # (B, H, L, r_K)
+        if self.rope:
+            cos, sin = latent_cos_sin(*position_embeddings, self.freq_index)  # (B, L, r_K)
+            q = apply_rope(q, cos[:, None], sin[:, None])
+            c_k = apply_rope(c_k, cos, sin)
+        k, v = c_k[:, None], c_v[:, None]  # (B, 1, L, r)
+        if cache is not None:
+            k, v = self._update_cache(cache, k, v)
+        return self.o_absorbed(self._attend(q, k, v, attention_mask))
+
+    def _update_cache(self, cache, k, v):
+        if not self.joint:
+            return cache.update(k, v, self.layer_idx)
+        k, _ = cache.update(k, k[..., :0], self.layer_idx)  # joint: one latent serves both
+        return k, k
+
+    def _factored(self, x, position_embeddings, attention_mask, cache, positions):
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, L, d)
+        c_k, c_v = self.latents(x)
+        c_k, c_v = c_k[:, None], c_v[:, None]  # (B, 1, L, r)
+        if cache is not None:
+            c_k, c_v = self._update_cache(cache, c_k, c_v)
+        seq = c_k.shape[-2]
+        k = self.k_up(c_k[:, 0]).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, d)
+        v = self.v_up(c_v[:, 0]).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, d)
+        if self.rope:
+            cos, sin = position_embeddings  # (B, L, d)
+            q = apply_rope(q, cos[:, None], sin[:, None])
+            k_cos, k_sin = self._key_cos_sin(cache, position_embeddings, positions, seq, x)
+            k = apply_rope(k, k_cos[:, None], k_sin[:, None])
+        return self.o_proj(self._attend(q, k, v, attention_mask))
+
+    def _key_cos_sin(self, cache, position_embeddings, positions, seq, x):
+        """cos/sin of every cached key position (the current call's when nothing is cached)."""
+        if cache is None or seq == x.shape[1]:
+            if cache is not None and positions is not None:
+                _remember_positions(cache, self.layer_idx, positions, x.shape[0])
+            return position_embeddings
+        if self.rotary is None or positions is None:
+            raise RuntimeError("the factored RoPE layout needs position_ids and the model's rotary embedding to decode")
+        all_positions = _remember_positions(cache, self.layer_idx, positions, x.shape[0])  # (B, S)
+        return self.rotary(x, all_positions)
+
+
+def _remember_positions(cache, layer_idx: int, positions: torch.Tensor, batch: int) -> torch.Tensor:
+    """Append this call's position ids to the cache layer's and return them all (B, S)."""
+    layer = cache.layers[layer_idx]
+    positions = positions.expand(batch, -1)
+    previous = getattr(layer, "mla_positions", None)
+    if previous is None or previous.shape[-1] + positions.shape[-1] != layer.keys.shape[-2]:
+        previous = positions[:, :0]
+    layer.mla_positions = torch.cat([previous, positions], dim=-1)
+    return layer.mla_positions
+
+
+def _causal_mask(length: int, total: int, like: torch.Tensor) -> torch.Tensor:
+    """Additive (L, S) causal mask for the last L of S positions."""
+    offset = total - length
+    allowed = torch.ones(length, total, dtype=torch.bool, device=like.device).tril(offset)
+    return torch.zeros(length, total, dtype=like.dtype, device=like.device).masked_fill(~allowed, float("-inf"))

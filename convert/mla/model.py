@@ -1,0 +1,130 @@
+"""Load a converted checkpoint as a runnable transformers causal LM.
+
+The source architecture's model class is built from config.json, each
+attention module is swapped for `MLAAttention`, and the converted weights are
+loaded strictly (every tensor used, none missing but a tied lm_head).
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from convert.arch import ARCHS
+from convert.errors import ConvertError
+from convert.mla.attention import MLAAttention
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_mla_config(path) -> dict:
+    """config.json of a converted directory; ConvertError if it has no `mla` section."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise ConvertError(f"{path} has no config.json; point at a directory written by `convert gqa2mla`")
+    config = json.loads(config_path.read_text())
+    if "mla" not in config:
+        raise ConvertError(f"{config_path} has no `mla` section; it is not a converted checkpoint (run `convert gqa2mla` first)")
+    return config
+
+
+def hf_config(config: dict, dtype: torch.dtype | None = None):
+    """A transformers config from a config.json dict, set up for eager attention."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config.items() if k not in ("mla", "architectures", "transformers_version")}
+    hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    hf._attn_implementation = "eager"  # MLAAttention takes transformers' additive 4-D mask
+    if dtype is not None:
+        hf.dtype = dtype
+    return hf
+
+
+def _resolve_dtype(dtype, config: dict) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype or config.get("dtype") or config.get("torch_dtype") or "float32"
+    if name not in DTYPES:
+        raise ConvertError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def swap_attention(model, mla: dict) -> None:
+    """Replace every decoder layer's attention with an MLAAttention (weights uninitialised)."""
+    inner = model.model
+    for i, layer in enumerate(inner.layers):
+        old = layer.self_attn
+        new = MLAAttention(mla["hidden_size"], mla, mla["layers"][i], i, rotary=inner.rotary_emb, causal=True)
+        new.sliding_window = getattr(old, "sliding_window", None)
+        layer.self_attn = new.to(dtype=next(old.parameters()).dtype)
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    return [path / "model.safetensors"]
+
+
+def load_strict(model, state: dict, where) -> None:
+    """Load `state` into `model`: every tensor used, none missing but a tied lm_head."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise ConvertError(
+            f"{where}: weights do not fit the model (missing {sorted(set(missing) - tied)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}); was it written by this version of convert?"
+        )
+    if tied:
+        model.tie_weights()
+
+
+def load_state(model, path: Path) -> None:
+    """Load every tensor of the converted files into the model, strictly."""
+    state = {}
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            state |= {name: f.get_tensor(name) for name in f.keys()}
+    load_strict(model, state, path)
+
+
+def load_mla_model(path, device=None, dtype=None):
+    """Build the source architecture's causal LM with MLA attention and load the weights.
+
+    path: a directory written by `convert gqa2mla`. device: torch device (default
+    CPU). dtype: torch dtype or name (default: the checkpoint's). Supports
+    `model(input_ids).logits` and `model.generate(...)`; the KV cache holds
+    latents only.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    config = read_mla_config(path)
+    mla = config["mla"]
+    arch = ARCHS.get(mla["source_architecture"])
+    if arch is None or arch.hf_attention is None:
+        raise ConvertError(
+            f"{path}: source architecture {mla['source_architecture']!r} has no runnable transformers model; "
+            "use `convert verify` for per-layer checks"
+        )
+    torch_dtype = _resolve_dtype(dtype, config)
+    hf = hf_config(config, torch_dtype)
+    model = AutoModelForCausalLM.from_config(hf, dtype=torch_dtype)
+    swap_attention(model, mla)
+    load_state(model, path)
+    return model.to(device or "cpu").eval()
+
+
+def cache_bytes_per_token(model, n_tokens: int = 8) -> float:
+    """Bytes the model's KV cache really allocates per token, measured on a forward pass."""
+    device = next(model.parameters()).device
+    ids = torch.zeros(1, n_tokens, dtype=torch.long, device=device)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    total = 0
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values, getattr(layer, "mla_positions", None)):
+            if tensor is not None:
+                total += tensor.numel() * tensor.element_size()
+    return total / n_tokens

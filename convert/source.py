@@ -1,0 +1,82 @@
+"""Reading one layer's attention out of a checkpoint (file-backed or in memory).
+
+Everything that can be checked from headers is checked before any output is
+written; non-finite values are caught as each layer is read.
+"""
+
+import torch
+
+from convert.arch import AttentionSpec
+from convert.errors import ConvertError
+from convert.transform import LayerWeights
+
+PROJECTIONS = ("q", "k", "v", "o")
+
+
+class StateDictSource:
+    """An in-memory state dict with the read interface of `convert.io.Checkpoint`."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor], config: dict | None):
+        self.state_dict, self.config = state_dict, config
+
+    def keys(self) -> list[str]:
+        return list(self.state_dict)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.state_dict
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.state_dict[name].shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.state_dict[name].dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.state_dict[name]
+
+
+def expected_shapes(spec: AttentionSpec) -> dict[str, tuple[int, ...]]:
+    """Weight shapes per projection, [out, in] as nn.Linear stores them."""
+    q_out, kv_out, hidden = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim, spec.hidden_size
+    return {"q": (q_out, hidden), "k": (kv_out, hidden), "v": (kv_out, hidden), "o": (hidden, q_out)}
+
+
+def attention_names(source, spec: AttentionSpec, layer: int) -> list[str]:
+    """Every attention tensor of `layer` present in the source (weights and biases)."""
+    names = [spec.tensor(layer, p, kind) for p in PROJECTIONS for kind in ("weight", "bias")]
+    return [n for n in names if n in source]
+
+
+def check_layer(source, spec: AttentionSpec, layer: int) -> None:
+    """Presence and shapes of one layer's attention tensors, from headers only."""
+    for proj, shape in expected_shapes(spec).items():
+        name = spec.tensor(layer, proj)
+        if name not in source:
+            raise ConvertError(f"layer {layer} has no {name!r}; the checkpoint is incomplete or not a {spec.arch.name} model")
+        if tuple(source.shape(name)) != shape:
+            raise ConvertError(
+                f"{name} has shape {list(source.shape(name))}, expected {list(shape)} from n_heads={spec.n_heads}, "
+                f"n_kv_heads={spec.n_kv_heads}, head_dim={spec.head_dim}, hidden_size={spec.hidden_size}; "
+                "config.json (or the flags) do not describe this checkpoint"
+            )
+        bias = spec.tensor(layer, proj, "bias")
+        if bias in source and tuple(source.shape(bias)) != shape[:1]:
+            raise ConvertError(f"{bias} has shape {list(source.shape(bias))}, expected {[shape[0]]}")
+
+
+def read_layer(source, spec: AttentionSpec, layer: int) -> LayerWeights:
+    """Load one layer's attention tensors, refusing NaN/Inf with the tensor's name."""
+    tensors = {}
+    for proj in PROJECTIONS:
+        for kind, field in (("weight", proj), ("bias", f"{proj}_bias")):
+            name = spec.tensor(layer, proj, kind)
+            if name in source:
+                tensors[field] = _finite(source.get(name), name)
+    return LayerWeights(**tensors)
+
+
+def _finite(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    if not torch.isfinite(tensor).all():
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise ConvertError(f"{name} has {bad} NaN/Inf values; the checkpoint is corrupt, re-export it from a healthy copy")
+    return tensor

@@ -1,0 +1,193 @@
+"""The pure state-dict transform: one layer's GQA attention tensors -> MLA tensors.
+
+No files and no modules here: tensors in, tensors out (float64; callers cast).
+Output tensor names are relative to the layer's attention prefix and match the
+submodules of `convert.mla.MLAAttention`:
+
+  absorbed, split: k_down (r_K × D, + bias with RoPE key bias), v_down (r_V × D),
+                   q_absorbed (H·r_K × D), o_absorbed (D × H·r_V)
+  absorbed, joint: kv_down (r × D), q_absorbed (H·r × D), o_absorbed (D × H·r)
+  factored:        q_proj, k_down / v_down (or kv_down), k_up (H·d × r_K),
+                   v_up (H·d × r_V), o_proj
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from convert.arch import AttentionSpec
+from convert.linalg import Factor, absorb_output, absorb_query, expand_groups, joint_factor, real_factor, rope_factor
+
+
+@dataclass
+class LayerWeights:
+    """One layer's attention in the source checkpoint (biases optional)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+
+@dataclass
+class LayerInfo:
+    """What the conversion of one layer did: ranks, energy, factor error, notes."""
+
+    ranks: dict[str, int]
+    retained_energy: dict[str, float]
+    factor_error: dict[str, float]
+    key_freq_index: list[int] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_config(self) -> dict:
+        """The layer's entry in config.json's `mla.layers`."""
+        entry: dict = dict(self.ranks)
+        entry["retained_energy"] = self.retained_energy
+        entry["factor_error"] = self.factor_error
+        if self.key_freq_index is not None:
+            entry["key_freq_index"] = self.key_freq_index
+        return entry
+
+
+def exact_ranks(spec: AttentionSpec, latent: str, layout: str, key_bias: bool) -> dict[str, int] | None:
+    """The exact latent sizes, known from shapes alone (None for joint: data-dependent)."""
+    if latent == "joint":
+        return None
+    in_k = spec.hidden_size + (1 if key_bias and spec.rope else 0)
+    rows = spec.n_kv_heads * spec.head_dim
+    if spec.rope and layout == "absorbed":
+        rank_k = spec.head_dim * min(spec.n_kv_heads, in_k)  # 2 · (d/2 freqs) · min(G, X) per freq
+    else:
+        rank_k = min(rows, in_k)
+    return {"rank_k": rank_k, "rank_v": min(rows, spec.hidden_size)}
+
+
+def _with_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """(m, D) weight and (m,) bias -> (m, D+1): the affine map as a linear one on [y; 1]."""
+    if bias is None:
+        return weight.double()
+    return torch.cat([weight.double(), bias.double()[:, None]], dim=1)
+
+
+def _split_bias(aug: torch.Tensor, has_bias: bool, name: str) -> dict[str, torch.Tensor]:
+    """Inverse of `_with_bias` into `{name}.weight` / `{name}.bias` entries."""
+    if not has_bias:
+        return {f"{name}.weight": aug}
+    return {f"{name}.weight": aug[:, :-1], f"{name}.bias": aug[:, -1]}
+
+
+def _relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    norm = exact.norm()
+    return float((approx - exact).norm() / norm) if norm > 0 else float((approx - exact).norm())
+
+
+def _key_factor(w: LayerWeights, spec: AttentionSpec, layout: str, rank: int | None) -> tuple[Factor, bool]:
+    """Factor the keys; returns the factor and whether its latent is affine (key bias kept)."""
+    affine = spec.rope and w.k_bias is not None
+    keys = _with_bias(w.k, w.k_bias if affine else None)  # (G·d, D[+1])
+    if spec.rope and layout == "absorbed":
+        return rope_factor(keys, spec.n_kv_heads, rank), affine
+    return real_factor(keys, rank), affine
+
+
+def factor_layer(w: LayerWeights, spec: AttentionSpec, latent: str, layout: str, rank: int | None):
+    """Factor one layer's keys and values: (key factor, value factor, affine key latent, notes)."""
+    notes = []
+    if w.k_bias is not None and not spec.rope:
+        notes.append("k bias dropped: without RoPE q·b_K is constant over keys and cancels in softmax")
+    if latent == "joint":
+        key_f, value_f = joint_factor(w.k, w.v, rank)
+        return key_f, value_f, False, notes
+    key_f, affine = _key_factor(w, spec, layout, rank)
+    return key_f, real_factor(w.v, rank), affine, notes
+
+
+def convert_layer(w: LayerWeights, spec: AttentionSpec, latent: str, layout: str, rank: int | None = None):
+    """Convert one layer. Returns (tensors by relative name, LayerInfo)."""
+    key_f, value_f, affine, notes = factor_layer(w, spec, latent, layout, rank)
+    up_k = expand_groups(key_f.up, spec.n_heads, spec.n_kv_heads, spec.head_map)  # (H·d, r_K)
+    up_v = expand_groups(value_f.up, spec.n_heads, spec.n_kv_heads, spec.head_map)  # (H·d, r_V)
+    out = _down_tensors(key_f, value_f, affine, latent)
+    out_bias = _output_bias(w, spec)
+    if layout == "absorbed":
+        q_hat = absorb_query(_with_bias(w.q, w.q_bias), up_k, spec.n_heads)  # (H·r_K, D[+1])
+        out |= _split_bias(q_hat, w.q_bias is not None, "q_absorbed")
+        out["o_absorbed.weight"] = absorb_output(w.o, up_v, spec.n_heads)  # (D, H·r_V)
+        out |= {"o_absorbed.bias": out_bias} if out_bias is not None else {}
+    else:
+        out |= _split_bias(_with_bias(w.q, w.q_bias), w.q_bias is not None, "q_proj")
+        out |= {"k_up.weight": up_k, "v_up.weight": up_v, "o_proj.weight": w.o.double()}
+        out |= {"o_proj.bias": out_bias} if out_bias is not None else {}
+    return out, _layer_info(w, spec, key_f, value_f, affine, latent, layout, notes)
+
+
+def _down_tensors(key_f: Factor, value_f: Factor, affine: bool, latent: str) -> dict[str, torch.Tensor]:
+    if latent == "joint":
+        return {"kv_down.weight": key_f.down}
+    return _split_bias(key_f.down, affine, "k_down") | {"v_down.weight": value_f.down}
+
+
+def _output_bias(w: LayerWeights, spec: AttentionSpec) -> torch.Tensor | None:
+    """b_O plus W_O·tile(b_V): since Σα = 1 the value bias leaves attention unchanged."""
+    bias = None if w.o_bias is None else w.o_bias.double()
+    if w.v_bias is not None:
+        tiled = expand_groups(w.v_bias.double()[:, None], spec.n_heads, spec.n_kv_heads, spec.head_map)  # (H·d, 1)
+        from_v = (w.o.double() @ tiled)[:, 0]  # (D,)
+        bias = from_v if bias is None else bias + from_v
+    return bias
+
+
+def _layer_info(w, spec, key_f, value_f, affine, latent, layout, notes) -> LayerInfo:
+    keys = _with_bias(w.k, w.k_bias if affine else None)
+    if latent == "joint":
+        ranks = {"rank_kv": key_f.rank}
+        energy = {"kv": key_f.retained_energy()}
+        stacked = torch.cat([w.k, w.v]).double()
+        errors = {"kv": _relative_error(torch.cat([key_f.up, value_f.up]) @ key_f.down, stacked)}
+    else:
+        ranks = {"rank_k": key_f.rank, "rank_v": value_f.rank}
+        energy = {"k": key_f.retained_energy(), "v": value_f.retained_energy()}
+        errors = {
+            "k": _relative_error(key_f.up @ key_f.down, keys),
+            "v": _relative_error(value_f.up @ value_f.down, w.v.double()),
+        }
+    freq = key_f.freq_index.tolist() if key_f.freq_index is not None else None
+    return LayerInfo(ranks=ranks, retained_energy=energy, factor_error=errors, key_freq_index=freq, notes=notes)
+
+
+def output_shapes(
+    spec: AttentionSpec, ranks: dict[str, int], layout: str, biases: set[str]
+) -> dict[str, tuple[int, ...]]:
+    """Shapes of the tensors `convert_layer` returns, from ranks and source biases alone.
+
+    biases: which source biases exist, among "q", "k", "v", "o". Lets the writer
+    lay out every shard before any layer is converted.
+    """
+    hidden, inner, n_heads = spec.hidden_size, spec.n_heads * spec.head_dim, spec.n_heads
+    joint = "rank_kv" in ranks
+    rank_k = ranks["rank_kv"] if joint else ranks["rank_k"]
+    rank_v = ranks["rank_kv"] if joint else ranks["rank_v"]
+    shapes: dict[str, tuple[int, ...]] = {}
+    if joint:
+        shapes["kv_down.weight"] = (rank_k, hidden)
+    else:
+        shapes["k_down.weight"] = (rank_k, hidden)
+        if spec.rope and "k" in biases:
+            shapes["k_down.bias"] = (rank_k,)
+        shapes["v_down.weight"] = (rank_v, hidden)
+    q_name, o_name = ("q_absorbed", "o_absorbed") if layout == "absorbed" else ("q_proj", "o_proj")
+    q_rows = n_heads * rank_k if layout == "absorbed" else inner
+    o_cols = n_heads * rank_v if layout == "absorbed" else inner
+    shapes[f"{q_name}.weight"] = (q_rows, hidden)
+    if "q" in biases:
+        shapes[f"{q_name}.bias"] = (q_rows,)
+    if layout == "factored":
+        shapes |= {"k_up.weight": (inner, rank_k), "v_up.weight": (inner, rank_v)}
+    shapes[f"{o_name}.weight"] = (hidden, o_cols)
+    if biases & {"o", "v"}:
+        shapes[f"{o_name}.bias"] = (hidden,)
+    return shapes

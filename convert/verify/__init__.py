@@ -1,0 +1,148 @@
+"""Verification: does the converted checkpoint compute what the original computed?
+
+`verify_paths(original, converted, **options)` returns the report (a dict, see
+`convert.verify.report` for its schema); `write_report` writes it as JSON,
+Markdown and a PNG. DESIGN §8 is the contract.
+"""
+
+import hashlib
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from convert.errors import ConvertError
+from convert.io import open_checkpoint
+from convert.mla.model import DTYPES, read_mla_config
+from convert.verify.e2e import end_to_end, fits_in_memory
+from convert.verify.layers import LayerRun, check_hf_layers, check_seed_layers
+from convert.verify.report import coarsest, failures, render_markdown, thresholds, write_report
+
+__all__ = ["render_markdown", "verify", "verify_paths", "write_report"]
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto = CUDA when present, else CPU; an explicit cuda without one is refused."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConvertError("--device cuda: no CUDA device is visible to torch; use --device auto or cpu")
+    return torch.device(name)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(checkpoint) -> dict:
+    return {"path": str(checkpoint.path), "files": {f.name: _sha256(f) for f in checkpoint.files}}
+
+
+def text_token_ids(text_path: Path, original_root: Path, vocab_size: int, n_tokens: int) -> torch.Tensor:
+    """Token ids (1, N) of a text: the original's tokenizer when it has one, else UTF-8 bytes mod vocab."""
+    if not Path(text_path).is_file():
+        raise ConvertError(f"--text {text_path}: no such file; give a UTF-8 text file")
+    text = Path(text_path).read_text(encoding="utf-8", errors="replace")
+    if any((original_root / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(original_root)(text)["input_ids"]
+    else:
+        ids = [b % vocab_size for b in text.encode("utf-8")]
+    if len(ids) < 2:
+        raise ConvertError(f"--text {text_path}: fewer than 2 tokens; give a longer text")
+    return torch.tensor(ids[:n_tokens])[None]
+
+
+def _versions() -> dict:
+    import transformers
+
+    from convert import __version__
+
+    return {"convert": __version__, "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def verify_paths(
+    original,
+    converted,
+    text=None,
+    tokens: int = 256,
+    device: str = "auto",
+    dtype: str = "float64",
+    max_ppl_ratio: float | None = None,
+    progress: bool = True,
+) -> dict:
+    """Verify the MLA directory `converted` against the GQA checkpoint `original`.
+
+    Per layer always; end to end (logits, KL, top-1, perplexity, greedy
+    generation, cache bytes) when the architecture is a transformers causal LM
+    and both models fit in memory. Returns the report dict.
+    """
+    start = time.perf_counter()
+    run_device, run_dtype = resolve_device(device), DTYPES[dtype]
+    config = read_mla_config(converted)
+    mla = config["mla"]
+    with open_checkpoint(original) as orig, open_checkpoint(converted) as conv:
+        run = LayerRun(orig, conv, config, run_device, run_dtype)
+        runnable = mla["source_architecture"] != "seed"
+        ids = _token_ids(text, orig, config, tokens, runnable)
+        bar = lambda it: tqdm(it, desc="verifying", unit="layer", disable=None if progress else True)  # noqa: E731
+        t0 = time.perf_counter()
+        layers = check_hf_layers(run, ids if text else None, tokens, bar) if runnable else check_seed_layers(run, tokens, bar)
+        timings = {"layers_s": time.perf_counter() - t0}
+        e2e, skipped = None, "the source architecture has no transformers causal LM" if not runnable else None
+        if runnable:
+            fits, why = fits_in_memory(orig, run_device, run_dtype)
+            if fits:
+                t0 = time.perf_counter()
+                e2e = end_to_end(orig, converted, config, ids, run_device, run_dtype)
+                timings["end_to_end_s"] = time.perf_counter() - t0
+            else:
+                skipped = f"the two whole models do not fit ({why}); per-layer checks streamed instead"
+        ckpt_dtype = conv.dtype(next(k for k in conv.keys() if "self_attn" in k or "W_" in k or "_down" in k))
+        limits = thresholds(coarsest(run_dtype, ckpt_dtype), max_ppl_ratio)
+        inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(text, ids)}
+    timings["total_s"] = time.perf_counter() - start
+    found = failures(layers, e2e, limits)
+    return {
+        "schema": "convert.verification/1",
+        "verdict": "FAIL" if found else "PASS",
+        "failures": found,
+        "thresholds": limits,
+        "layers": layers,
+        "end_to_end": e2e,
+        "end_to_end_skipped": skipped,
+        "inputs": inputs,
+        "options": {"text": str(text) if text else None, "tokens": tokens, "device": device, "dtype": dtype, "max_ppl_ratio": max_ppl_ratio},
+        "versions": _versions(),
+        "device": {"type": run_device.type, "name": torch.cuda.get_device_name(run_device) if run_device.type == "cuda" else platform.processor() or "cpu"},
+        "dtype": dtype,
+        "timings": timings,
+    }
+
+
+def _token_ids(text, orig, config: dict, tokens: int, runnable: bool) -> torch.Tensor | None:
+    if not runnable:
+        return None
+    vocab = config["vocab_size"]
+    if text:
+        return text_token_ids(Path(text), orig.root, vocab, tokens)
+    return torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+
+
+def _text_input(text, ids) -> dict | None:
+    if not text:
+        return None
+    return {"path": str(text), "sha256": _sha256(Path(text)), "tokens": int(ids.shape[-1])}
+
+
+def verify(src, converted_dir, opts) -> dict:
+    """Verification as `gqa2mla` runs it, from its options."""
+    return verify_paths(src, converted_dir, text=opts.text, tokens=opts.tokens, device=opts.device, dtype=opts.dtype, progress=opts.progress)

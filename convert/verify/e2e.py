@@ -1,0 +1,80 @@
+"""End-to-end verification: logits, KL, top-1, perplexity and greedy generation
+of the original transformers model against the loaded MLA model."""
+
+import torch
+
+from convert.io import Checkpoint
+from convert.mla.model import cache_bytes_per_token, hf_config, load_mla_model, load_strict
+
+GREEDY_PROMPT, GREEDY_NEW = 8, 16
+
+
+def fits_in_memory(original: Checkpoint, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether both whole models fit where they will run (with headroom)."""
+    scale = torch.empty((), dtype=dtype).element_size() / max(1, original.dtype(original.keys()[0]).itemsize)
+    needed = 2.5 * original.total_bytes() * scale
+    if device.type == "cuda":
+        available = torch.cuda.mem_get_info(device)[0]
+    else:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    return needed < available, f"needs ~{needed / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available"
+
+
+def load_original(original: Checkpoint, config: dict, device, dtype):
+    """The source model as transformers builds it, from the original files."""
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_config({k: v for k, v in config.items() if k != "mla"}, dtype)
+    hf._attn_implementation = "sdpa"  # float64 stays float64 in the softmax
+    model = AutoModelForCausalLM.from_config(hf, dtype=dtype)
+    state = {name: original.get(name) for name in original.keys()}
+    load_strict(model, state, original.path)
+    return model.to(device).eval()
+
+
+def _nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Per-position next-token negative log-likelihood (float64)."""
+    logp = torch.log_softmax(logits[0, :-1].double(), dim=-1)
+    return -logp.gather(-1, ids[0, 1:, None])[:, 0]
+
+
+def _greedy(model, ids: torch.Tensor) -> list[int]:
+    prompt = ids[:, :GREEDY_PROMPT]
+    out = model.generate(prompt, max_new_tokens=GREEDY_NEW, do_sample=False, pad_token_id=0)
+    return out[0, prompt.shape[1] :].tolist()
+
+
+def end_to_end(original: Checkpoint, converted_dir, config: dict, ids: torch.Tensor, device, dtype) -> dict:
+    """Compare whole models on `ids` (1, L)."""
+    ref_model = load_original(original, config, device, dtype)
+    mla_model = load_mla_model(converted_dir, device=device, dtype=dtype)
+    ids = ids.to(device)
+    with torch.no_grad():
+        ref, got = ref_model(ids).logits, mla_model(ids).logits  # (1, L, V)
+    logp_ref = torch.log_softmax(ref[0].double(), -1)
+    logp_got = torch.log_softmax(got[0].double(), -1)
+    kl = (logp_ref.exp() * (logp_ref - logp_got)).sum(-1)  # (L,)
+    nll_ref, nll_got = _nll(ref, ids), _nll(got, ids)
+    greedy_ref, greedy_got = _greedy(ref_model, ids), _greedy(mla_model, ids)
+    diff = (got.double() - ref.double())
+    result = {
+        "tokens": ids.shape[-1],
+        "logits_max_abs_diff": float(diff.abs().max()),
+        "logits_rel_error": float(diff.norm() / ref.double().norm()),
+        "kl_mean": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).double().mean()),
+        "ppl_original": float(nll_ref.mean().exp()),
+        "ppl_converted": float(nll_got.mean().exp()),
+        "greedy_original": greedy_ref,
+        "greedy_converted": greedy_got,
+        "greedy_match": greedy_ref == greedy_got,
+        "kv_cache_bytes_per_token_original": cache_bytes_per_token(ref_model),
+        "kv_cache_bytes_per_token_converted": cache_bytes_per_token(mla_model),
+        "params_original": sum(p.numel() for p in ref_model.parameters()),
+        "params_converted": sum(p.numel() for p in mla_model.parameters()),
+    }
+    result["ppl_ratio"] = result["ppl_converted"] / result["ppl_original"]
+    return result

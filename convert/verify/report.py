@@ -1,0 +1,148 @@
+"""The verification report: thresholds, verdict, JSON (data first) and Markdown.
+
+Schema `convert.verification/1` (verification.json):
+  verdict            "PASS" | "FAIL"
+  failures           [str]: one line each, naming the layer or metric
+  thresholds         {dtype, layer_rel_error, logits_rel_error, ppl_rel_diff, top1_agreement, max_ppl_ratio}
+  layers             [{layer, rel_error, max_abs_error, ranks, retained_energy, factor_error}]
+  end_to_end         {tokens, logits_max_abs_diff, logits_rel_error, kl_mean, kl_max, top1_agreement,
+                      ppl_original, ppl_converted, ppl_ratio, greedy_original, greedy_converted,
+                      greedy_match, kv_cache_bytes_per_token_{original,converted}, params_{original,converted}}
+                     or null, with end_to_end_skipped: reason
+  inputs             {original: {path, files: {name: sha256}}, converted: {…}, text: {path, sha256, tokens} | null}
+  options, versions  {convert, torch, transformers, python}, device {type, name}, dtype, timings {…_s}
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+# Relative error of an exact conversion's layer output, by the coarsest dtype
+# involved (the checkpoint's or the run's): round-off of that dtype, not a fit.
+THRESHOLDS = {"float64": 1e-10, "float32": 1e-5, "float16": 1e-2, "bfloat16": 2e-2}
+E2E_FACTOR = 10  # logits and perplexity accumulate every layer's round-off
+MIN_TOP1 = 0.999
+
+
+def coarsest(*dtypes: torch.dtype) -> str:
+    """The name of the least precise dtype among `dtypes`."""
+    worst = max(dtypes, key=lambda d: torch.finfo(d).eps)
+    return str(worst).removeprefix("torch.")
+
+
+def thresholds(dtype_name: str, max_ppl_ratio: float | None) -> dict:
+    layer = THRESHOLDS[dtype_name]
+    return {
+        "dtype": dtype_name,
+        "layer_rel_error": layer,
+        "logits_rel_error": E2E_FACTOR * layer,
+        "ppl_rel_diff": E2E_FACTOR * layer,
+        "top1_agreement": MIN_TOP1,
+        "max_ppl_ratio": max_ppl_ratio,
+    }
+
+
+def failures(layers: list[dict], e2e: dict | None, limits: dict) -> list[str]:
+    """Every check that failed, one line each. Lossy runs (max_ppl_ratio) gate on perplexity only."""
+    if limits["max_ppl_ratio"] is not None:
+        if e2e is None:
+            return ["--max-ppl-ratio needs the end-to-end check, which did not run"]
+        if not e2e["ppl_ratio"] <= limits["max_ppl_ratio"]:
+            return [f"perplexity ratio {e2e['ppl_ratio']:.4f} > --max-ppl-ratio {limits['max_ppl_ratio']}"]
+        return []
+    found = [
+        f"layer {r['layer']}: attention output relative error {r['rel_error']:.3e} > {limits['layer_rel_error']:.0e}"
+        for r in layers
+        if not r["rel_error"] <= limits["layer_rel_error"]
+    ]
+    if e2e is not None:
+        if not e2e["logits_rel_error"] <= limits["logits_rel_error"]:
+            found.append(f"logits relative error {e2e['logits_rel_error']:.3e} > {limits['logits_rel_error']:.0e}")
+        if not abs(e2e["ppl_ratio"] - 1) <= limits["ppl_rel_diff"]:
+            found.append(f"perplexity {e2e['ppl_original']:.6g} -> {e2e['ppl_converted']:.6g} differs by more than {limits['ppl_rel_diff']:.0e}")
+        if not e2e["top1_agreement"] >= limits["top1_agreement"]:
+            found.append(f"top-1 agreement {e2e['top1_agreement']:.4f} < {limits['top1_agreement']}")
+    return found
+
+
+def render_markdown(report: dict) -> str:
+    """A human rendering of the JSON report."""
+    lim = report["thresholds"]
+    lines = [
+        f"# Verification: {report['verdict']}",
+        "",
+        f"- original: `{report['inputs']['original']['path']}`",
+        f"- converted: `{report['inputs']['converted']['path']}`",
+        f"- device: {report['device']['type']} ({report['device']['name']}), run dtype {report['dtype']}, "
+        f"thresholds for {lim['dtype']}: layer relative error ≤ {lim['layer_rel_error']:.0e}",
+        f"- inputs: {_input_line(report)}",
+        "",
+    ]
+    lines += [f"- **FAIL**: {f}" for f in report["failures"]] + ([""] if report["failures"] else [])
+    lines += ["## Per layer", "", "| layer | ranks | rel. error | max abs error | retained energy |", "|---:|---|---:|---:|---|"]
+    for r in report["layers"]:
+        ranks = ", ".join(f"{k.removeprefix('rank_')}={v}" for k, v in r["ranks"].items())
+        energy = ", ".join(f"{k}={v:.6f}" for k, v in (r["retained_energy"] or {}).items())
+        lines.append(f"| {r['layer']} | {ranks} | {r['rel_error']:.2e} | {r['max_abs_error']:.2e} | {energy} |")
+    lines += ["", "![per-layer error](verification_layers.png)", ""] if report.get("plot") else [""]
+    lines += _e2e_lines(report)
+    lines += ["", f"Timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in report["timings"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def _input_line(report: dict) -> str:
+    text = report["inputs"]["text"]
+    if text is None:
+        return f"random hidden states / tokens ({report['options']['tokens']} tokens)"
+    return f"text `{text['path']}` ({text['tokens']} tokens, real hidden states)"
+
+
+def _e2e_lines(report: dict) -> list[str]:
+    e2e = report["end_to_end"]
+    if e2e is None:
+        return ["## End to end", "", f"Skipped: {report.get('end_to_end_skipped')}"]
+    rows = [
+        ("logits max abs diff", f"{e2e['logits_max_abs_diff']:.3e}"),
+        ("logits relative error", f"{e2e['logits_rel_error']:.3e}"),
+        ("KL(original ‖ converted), mean / max", f"{e2e['kl_mean']:.3e} / {e2e['kl_max']:.3e}"),
+        ("top-1 agreement", f"{e2e['top1_agreement']:.4%}"),
+        ("perplexity original → converted", f"{e2e['ppl_original']:.6g} → {e2e['ppl_converted']:.6g} (×{e2e['ppl_ratio']:.6f})"),
+        (f"greedy tokens identical", "yes" if e2e["greedy_match"] else f"no: {e2e['greedy_original']} vs {e2e['greedy_converted']}"),
+        ("KV cache bytes/token original → converted", f"{e2e['kv_cache_bytes_per_token_original']:.0f} → {e2e['kv_cache_bytes_per_token_converted']:.0f}"),
+        ("parameters original → converted", f"{e2e['params_original']:,} → {e2e['params_converted']:,}"),
+    ]
+    return ["## End to end", "", "| check | value |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
+
+
+def plot_layers(report: dict, path: Path) -> bool:
+    """Per-layer relative error against the threshold, as a PNG. False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    layers = [r["layer"] for r in report["layers"]]
+    errors = [max(r["rel_error"], 1e-18) for r in report["layers"]]
+    fig, ax = plt.subplots(figsize=(7, 3.2), dpi=110)
+    ax.semilogy(layers, errors, "o-", label="attention output relative error")
+    ax.axhline(report["thresholds"]["layer_rel_error"], color="red", ls="--", label="threshold")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("relative Frobenius error")
+    ax.set_title(f"Verification: {report['verdict']} ({report['dtype']} on {report['device']['type']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def write_report(report: dict, directory) -> None:
+    """verification.json, verification_layers.png and verification.md into `directory`."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    report["plot"] = plot_layers(report, directory / "verification_layers.png")
+    (directory / "verification.json").write_text(json.dumps(report, indent=2) + "\n")
+    (directory / "verification.md").write_text(render_markdown(report))
