@@ -144,26 +144,25 @@ class MLAAttention(nn.Module):
         return self.o_proj(self._attend(q, k, v, attention_mask))
 
     def _key_cos_sin(self, cache, position_embeddings, positions, seq, x):
-        """cos/sin of every cached key position (the current call's when nothing is cached)."""
-        if cache is None or seq == x.shape[1]:
-            if cache is not None and positions is not None:
-                _remember_positions(cache, self.layer_idx, positions, x.shape[0])
+        """cos/sin of every key position this call attends to (B, S, d)."""
+        if cache is not None and positions is not None:
+            positions = _remember_positions(cache.layers[self.layer_idx], positions.expand(x.shape[0], -1), seq)
+        if seq == x.shape[1]:
             return position_embeddings
         if self.rotary is None or positions is None:
             raise RuntimeError("the factored RoPE layout needs position_ids and the model's rotary embedding to decode")
-        all_positions = _remember_positions(cache, self.layer_idx, positions, x.shape[0])  # (B, S)
-        return self.rotary(x, all_positions)
+        return self.rotary(x, positions)
 
 
-def _remember_positions(cache, layer_idx: int, positions: torch.Tensor, batch: int) -> torch.Tensor:
-    """Append this call's position ids to the cache layer's and return them all (B, S)."""
-    layer = cache.layers[layer_idx]
-    positions = positions.expand(batch, -1)
+def _remember_positions(layer, positions: torch.Tensor, seq: int) -> torch.Tensor:
+    """Positions (B, S) of the S keys this call attends to; the cache layer keeps
+    those of the keys it stores (a sliding-window layer keeps only the last ones)."""
     previous = getattr(layer, "mla_positions", None)
-    if previous is None or previous.shape[-1] + positions.shape[-1] != layer.keys.shape[-2]:
+    if previous is None or previous.shape[-1] + positions.shape[-1] != seq:
         previous = positions[:, :0]
-    layer.mla_positions = torch.cat([previous, positions], dim=-1)
-    return layer.mla_positions
+    attended = torch.cat([previous, positions], dim=-1)  # (B, S)
+    layer.mla_positions = attended[:, attended.shape[-1] - layer.keys.shape[-2] :]
+    return attended
 
 
 def _causal_mask(length: int, total: int, like: torch.Tensor) -> torch.Tensor:

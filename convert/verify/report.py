@@ -122,6 +122,7 @@ def plot_layers(report: dict, path: Path) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return False
     layers = [r["layer"] for r in report["layers"]]
@@ -129,6 +130,7 @@ def plot_layers(report: dict, path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(7, 3.2), dpi=110)
     ax.semilogy(layers, errors, "o-", label="attention output relative error")
     ax.axhline(report["thresholds"]["layer_rel_error"], color="red", ls="--", label="threshold")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("layer")
     ax.set_ylabel("relative Frobenius error")
     ax.set_title(f"Verification: {report['verdict']} ({report['dtype']} on {report['device']['type']})")

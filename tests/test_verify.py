@@ -1,0 +1,132 @@
+"""Verification and the runnable MLA model (issue: verification report)."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+import convert
+from convert.cli import main
+from convert.mla.model import cache_bytes_per_token
+from make_tiny import tiny_hf_model
+
+TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife. " * 4
+
+
+def _save(tmp_path, model_type="llama", **overrides):
+    path = tmp_path / f"{model_type}-src"
+    tiny_hf_model(model_type, **overrides).save_pretrained(path)
+    return path
+
+
+def _convert(src, out, **options):
+    return convert.gqa2mla(src, out, progress=False, **options)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("layout", ["absorbed", "factored"])
+def test_exact_conversion_passes_with_figures(tmp_path, model_type, layout):
+    src = _save(tmp_path, model_type)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    result = _convert(src, tmp_path / "out", layout=layout, text=text, tokens=64)
+    report = json.loads((result.output / "verification.json").read_text())
+    assert report["verdict"] == "PASS", report["failures"]
+    assert result.passed
+    assert len(report["layers"]) == 2 and all(r["rel_error"] <= 1e-5 for r in report["layers"])
+    e2e = report["end_to_end"]
+    assert e2e["top1_agreement"] == 1.0 and e2e["greedy_match"]
+    assert abs(e2e["ppl_ratio"] - 1) < 1e-4
+    assert report["inputs"]["text"]["tokens"] == 64
+    assert report["device"]["type"] == "cpu"
+    markdown = (result.output / "verification.md").read_text()
+    assert "# Verification: PASS" in markdown and "| 1 |" in markdown
+    assert (result.output / "verification_layers.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _layer_failures(report):
+    return [f for f in report["failures"] if f.startswith("layer")]
+
+
+def test_wrong_head_map_fails_naming_the_layers(tmp_path):
+    src = _save(tmp_path)
+    result = _convert(src, tmp_path / "out", head_map="tiled")
+    assert result.report["verdict"] == "FAIL"
+    assert {f.split(":")[0] for f in _layer_failures(result.report)} == {"layer 0", "layer 1"}
+
+
+def test_one_perturbed_tensor_fails_naming_its_layer(tmp_path):
+    src = _save(tmp_path)
+    out = _convert(src, tmp_path / "out", verify=False).output
+    weights = load_file(out / "model.safetensors")
+    weights["model.layers.1.self_attn.v_down.weight"][3, 5] += 0.05
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    runner = CliRunner()
+    res = runner.invoke(main, ["verify", str(src), str(out), "--tokens", "32", "-q"])
+    assert res.exit_code == 1, res.output
+    report = convert.verify.verify_paths(src, out, tokens=32, progress=False)
+    assert [f.split(":")[0] for f in _layer_failures(report)] == ["layer 1"]
+
+
+def test_original_changed_after_conversion_fails(tmp_path):
+    src = _save(tmp_path)
+    out = _convert(src, tmp_path / "out", verify=False).output
+    weights = load_file(src / "model.safetensors")
+    weights["model.layers.0.self_attn.k_proj.weight"] *= 1.01
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    report = convert.verify.verify_paths(src, out, tokens=32, progress=False)
+    assert report["verdict"] == "FAIL"
+    assert [f.split(":")[0] for f in _layer_failures(report)] == ["layer 0"]
+
+
+def test_verify_cli_passes_and_writes_report(tmp_path):
+    src = _save(tmp_path)
+    out = _convert(src, tmp_path / "out", verify=False).output
+    res = CliRunner().invoke(main, ["verify", str(src), str(out), "--tokens", "32", "--report-dir", str(tmp_path / "rep")])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "rep" / "verification.json").read_text())["verdict"] == "PASS"
+
+
+def test_cuda_request_without_gpu_is_bad_input(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: --device cuda is valid here")
+    src = _save(tmp_path)
+    res = CliRunner().invoke(main, ["gqa2mla", str(src), "-o", str(tmp_path / "out"), "--device", "cuda", "-q"])
+    assert res.exit_code == 2
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("layout", ["absorbed", "factored"])
+def test_generate_matches_original_with_latent_only_cache(tmp_path, layout):
+    src = _save(tmp_path, "qwen2")
+    out = _convert(src, tmp_path / "out", layout=layout, verify=False).output
+    original = tiny_hf_model("qwen2")
+    mla_model = convert.load_mla_model(out)
+    prompt = torch.tensor([[5, 17, 99, 3, 42, 7]])
+    want = original.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    got = mla_model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
+    mla = json.loads((out / "config.json").read_text())["mla"]
+    cache = mla_model(prompt, use_cache=True).past_key_values
+    for layer, entry in zip(cache.layers, mla["layers"]):
+        assert layer.keys.shape == (1, 1, prompt.shape[1], entry["rank_k"])  # one latent, no heads
+        assert layer.values.shape == (1, 1, prompt.shape[1], entry["rank_v"])
+    latent_bytes = sum(e["rank_k"] + e["rank_v"] for e in mla["layers"]) * 4
+    positions = 8 * len(mla["layers"]) if layout == "factored" else 0
+    assert cache_bytes_per_token(mla_model) == latent_bytes + positions
+
+
+def test_joint_latent_caches_one_tensor(tmp_path):
+    """A seed-notation checkpoint has no runnable LM; joint latents are checked per layer."""
+    torch.manual_seed(0)
+    H, G, d, D = 4, 2, 8, 32
+    tensors = {f"layers.{i}.W_{m}.weight": torch.randn(r, c) for i in range(2) for m, (r, c) in
+               {"Q": (H * d, D), "K": (G * d, D), "V": (G * d, D), "O": (D, H * d)}.items()}
+    src = tmp_path / "seed.safetensors"
+    save_file(tensors, src)
+    result = _convert(src, tmp_path / "out", arch="seed", n_heads=H, latent="joint")
+    assert result.passed, result.report["failures"]
+    assert result.report["end_to_end"] is None and "no transformers" in result.report["end_to_end_skipped"]
+    assert result.config["mla"]["layers"][0]["rank_kv"] == 2 * G * d
