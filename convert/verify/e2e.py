@@ -6,7 +6,7 @@ import torch
 from convert.io import Checkpoint
 from convert.mla.model import cache_bytes_per_token, hf_config, load_mla_model, load_strict
 
-GREEDY_PROMPT, GREEDY_NEW = 8, 16
+GREEDY_PROMPT, GREEDY_NEW = 8, 32
 
 
 def fits_in_memory(original: Checkpoint, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
@@ -46,28 +46,47 @@ def _greedy(model, ids: torch.Tensor) -> list[int]:
     return out[0, prompt.shape[1] :].tolist()
 
 
+def compare_models(ref_model, mla_model, ids: torch.Tensor, window: int = 1024) -> dict:
+    """Logit agreement and perplexity of two models on `ids` (1, N), window by window."""
+    sq_diff = sq_ref = kl_sum = kl_max = max_abs = agree = 0.0
+    nll_ref, nll_got = [], []
+    with torch.no_grad():
+        for start in range(0, ids.shape[-1], window):
+            chunk = ids[:, start : start + window]  # (1, ≤window)
+            ref, got = ref_model(chunk).logits.double(), mla_model(chunk).logits.double()  # (1, L, V)
+            logp_ref, logp_got = torch.log_softmax(ref[0], -1), torch.log_softmax(got[0], -1)
+            kl = (logp_ref.exp() * (logp_ref - logp_got)).sum(-1)  # (L,)
+            diff = got - ref
+            sq_diff, sq_ref = sq_diff + float(diff.square().sum()), sq_ref + float(ref.square().sum())
+            max_abs, kl_sum, kl_max = max(max_abs, float(diff.abs().max())), kl_sum + float(kl.sum()), max(kl_max, float(kl.max()))
+            agree += float((ref.argmax(-1) == got.argmax(-1)).sum())
+            if chunk.shape[-1] > 1:
+                nll_ref.append(_nll(ref, chunk))
+                nll_got.append(_nll(got, chunk))
+    n = ids.shape[-1]
+    ppl_ref, ppl_got = float(torch.cat(nll_ref).mean().exp()), float(torch.cat(nll_got).mean().exp())
+    return {
+        "tokens": n,
+        "window": window,
+        "logits_max_abs_diff": max_abs,
+        "logits_rel_error": (sq_diff / sq_ref) ** 0.5,
+        "kl_mean": kl_sum / n,
+        "kl_max": kl_max,
+        "top1_agreement": agree / n,
+        "ppl_original": ppl_ref,
+        "ppl_converted": ppl_got,
+        "ppl_ratio": ppl_got / ppl_ref,
+    }
+
+
 def end_to_end(original: Checkpoint, converted_dir, config: dict, ids: torch.Tensor, device, dtype) -> dict:
-    """Compare whole models on `ids` (1, L)."""
+    """Compare the whole original and converted models on `ids` (1, N)."""
     ref_model = load_original(original, config, device, dtype)
     mla_model = load_mla_model(converted_dir, device=device, dtype=dtype)
     ids = ids.to(device)
-    with torch.no_grad():
-        ref, got = ref_model(ids).logits, mla_model(ids).logits  # (1, L, V)
-    logp_ref = torch.log_softmax(ref[0].double(), -1)
-    logp_got = torch.log_softmax(got[0].double(), -1)
-    kl = (logp_ref.exp() * (logp_ref - logp_got)).sum(-1)  # (L,)
-    nll_ref, nll_got = _nll(ref, ids), _nll(got, ids)
+    result = compare_models(ref_model, mla_model, ids)
     greedy_ref, greedy_got = _greedy(ref_model, ids), _greedy(mla_model, ids)
-    diff = (got.double() - ref.double())
-    result = {
-        "tokens": ids.shape[-1],
-        "logits_max_abs_diff": float(diff.abs().max()),
-        "logits_rel_error": float(diff.norm() / ref.double().norm()),
-        "kl_mean": float(kl.mean()),
-        "kl_max": float(kl.max()),
-        "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).double().mean()),
-        "ppl_original": float(nll_ref.mean().exp()),
-        "ppl_converted": float(nll_got.mean().exp()),
+    result |= {
         "greedy_original": greedy_ref,
         "greedy_converted": greedy_got,
         "greedy_match": greedy_ref == greedy_got,
@@ -76,5 +95,4 @@ def end_to_end(original: Checkpoint, converted_dir, config: dict, ids: torch.Ten
         "params_original": sum(p.numel() for p in ref_model.parameters()),
         "params_converted": sum(p.numel() for p in mla_model.parameters()),
     }
-    result["ppl_ratio"] = result["ppl_converted"] / result["ppl_original"]
     return result
