@@ -13,11 +13,14 @@ import torch
 from tqdm.auto import tqdm
 
 from convert import __version__
+from convert import compress
 from convert.arch import AttentionSpec, resolve_attention
 from convert.errors import ConvertError
+from convert.linalg import numerical_rank
 from convert.io import Checkpoint, CheckpointWriter, open_checkpoint, parse_size
 from convert.options import ConvertOptions
 from convert.source import StateDictSource, attention_names, check_layer, read_layer
+from convert.text import text_token_ids
 from convert.transform import LayerInfo, convert_layer, exact_ranks, output_shapes
 
 FORMAT_VERSION = 1
@@ -85,37 +88,82 @@ def _biases(source, spec: AttentionSpec, layer: int) -> set[str]:
     return {p for p in "qkvo" if spec.tensor(layer, p, "bias") in source}
 
 
-def _layer_ranks(source, spec: AttentionSpec, layer: int, opts: ConvertOptions) -> dict[str, int]:
-    """Exact ranks of one layer, or the requested rank after checking it against them."""
-    from convert.linalg import numerical_rank
-
+def _exact_layer_ranks(source, spec: AttentionSpec, layer: int, opts: ConvertOptions) -> dict[str, int]:
+    """The ranks at which one layer's conversion is exact."""
     exact = exact_ranks(spec, opts.latent, opts.layout, "k" in _biases(source, spec, layer))
     if exact is None:  # joint: the true rank of [W^K; W^V]
         k, v = source.get(spec.tensor(layer, "k")), source.get(spec.tensor(layer, "v"))
         exact = {"rank_kv": numerical_rank(torch.cat([k, v]).double())}
-    if opts.rank is None:
-        return exact
+    return exact
+
+
+def _checked(requested: dict[str, int], exact: dict[str, int], layer: int, spec: AttentionSpec, opts) -> dict[str, int]:
+    """Requested ranks, refused above the exact ones (or odd for a RoPE key latent)."""
     for name, limit in exact.items():
-        if opts.rank > limit:
+        if requested[name] > limit:
+            flag = "--rank" if opts.rank is not None else "rank"
             raise ConvertError(
-                f"--rank {opts.rank} is above the exact {name} {limit} of layer {layer}; "
+                f"{flag} {requested[name]} is above the exact {name} {limit} of layer {layer}; "
                 "at the exact rank the conversion is already lossless, so omit --rank or lower it"
             )
-    if spec.rope and opts.layout == "absorbed" and opts.rank % 2:
-        raise ConvertError(f"--rank {opts.rank} is odd: a RoPE key latent has pairs of dims; use an even rank")
-    return {name: opts.rank for name in exact}
+    if spec.rope and opts.layout == "absorbed" and requested.get("rank_k", 0) % 2:
+        raise ConvertError(f"--rank {requested['rank_k']} is odd: a RoPE key latent has pairs of dims; use an even rank")
+    return requested
 
 
-def _plan_layers(source, spec: AttentionSpec, opts: ConvertOptions) -> list[dict]:
-    """Per layer: ranks, output tensor shapes and the config entry. Reads headers only
-    (and the K/V weights for a joint latent, whose exact rank depends on the data)."""
-    plans = []
+def _requested_ranks(source, spec: AttentionSpec, opts: ConvertOptions, stats) -> list[dict] | None:
+    """Per-layer ranks asked for by --rank / --kv-cache-ratio (None: exact)."""
+    if not opts.lossy:
+        return None
+    names = ("rank_kv",) if opts.latent == "joint" else ("rank_k", "rank_v")
+    if opts.rank is not None:
+        return [dict.fromkeys(names, opts.rank)] * spec.n_layers
+    if opts.latent == "joint":
+        return [{"rank_kv": round(opts.kv_cache_ratio * 2 * spec.n_kv_heads * spec.head_dim)}] * spec.n_layers
+    latents = []
+    if opts.resolved_allocation == "global":
+        for layer in range(spec.n_layers):
+            weights = read_layer(source, spec, layer)
+            weighting = _weighting(weights, spec, opts, stats, layer)
+            latents += compress.layer_latents(layer, weights, spec, opts.layout, weighting)
+    return compress.plan_ranks(latents, spec, opts.layout, opts.kv_cache_ratio, opts.resolved_allocation)
+
+
+def _weighting(weights, spec: AttentionSpec, opts: ConvertOptions, stats, layer: int):
+    if stats is None:
+        return None
+    return compress.layer_weighting(opts.resolved_method, weights, spec, opts.layout, stats[layer])
+
+
+def _plan_layers(source, spec: AttentionSpec, opts: ConvertOptions, stats=None) -> list[dict]:
+    """Per layer: ranks and output tensor shapes, all decided before anything is written.
+    Reads headers only for an exact split latent; the K/V weights otherwise."""
     for layer in range(spec.n_layers):
         check_layer(source, spec, layer)
-        ranks = _layer_ranks(source, spec, layer, opts)
+    requested = _requested_ranks(source, spec, opts, stats)
+    plans = []
+    for layer in range(spec.n_layers):
+        ranks = exact = _exact_layer_ranks(source, spec, layer, opts)
+        if requested is not None:
+            ranks = _checked(requested[layer], exact, layer, spec, opts)
         shapes = output_shapes(spec, ranks, opts.layout, _biases(source, spec, layer))
-        plans.append({"ranks": ranks, "shapes": shapes})
+        plans.append({"ranks": ranks, "shapes": shapes, "exact_ranks": exact})
     return plans
+
+
+def _calibration(source, spec: AttentionSpec, opts: ConvertOptions):
+    """Input statistics of every layer on the calibration text (None when not needed)."""
+    if not opts.lossy or opts.resolved_method == "svd":
+        return None
+    if spec.arch.hf_attention is None:
+        raise ConvertError(f"--calib needs a transformers architecture to run; {spec.arch.name} has none: use --method svd")
+    config = source.config or {}
+    ids = opts.calib
+    if not isinstance(ids, torch.Tensor):
+        root = getattr(source, "root", Path(opts.calib).parent)
+        ids = text_token_ids(Path(opts.calib), root, config["vocab_size"], opts.calib_tokens, what="--calib")
+    progress = (lambda it: tqdm(it, desc="calibrating", unit="layer")) if opts.progress else iter
+    return compress.calibrate(source, config, ids[:, : opts.calib_tokens], spec.n_layers, progress=progress)
 
 
 def _mla_section(spec: AttentionSpec, opts: ConvertOptions, infos: list[LayerInfo], plans: list[dict]) -> dict:
@@ -143,6 +191,28 @@ def _mla_section(spec: AttentionSpec, opts: ConvertOptions, infos: list[LayerInf
         "layer_prefix": spec.layer_prefix_template,
         "layers": layers,
         "notes": notes,
+        "compression": _compression_section(spec, opts, plans),
+    }
+
+
+def _compression_section(spec: AttentionSpec, opts: ConvertOptions, plans: list[dict]) -> dict | None:
+    """How a lossy conversion spent its cache budget (None when exact)."""
+    if not opts.lossy:
+        return None
+    gqa = spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim
+    achieved = sum(_cache_dims(p["ranks"]) for p in plans)
+    calib = opts.calib if opts.calib is None or isinstance(opts.calib, (str, Path)) else f"{opts.calib.shape[-1]} token ids"
+    return {
+        "method": opts.resolved_method,
+        "allocation": opts.resolved_allocation if opts.rank is None else "uniform",
+        "kv_cache_ratio": opts.kv_cache_ratio,
+        "rank": opts.rank,
+        "budget_dims": None if opts.kv_cache_ratio is None else compress.budget_dims(opts.kv_cache_ratio, spec.n_layers, spec.n_kv_heads, spec.head_dim),
+        "cache_dims": achieved,
+        "gqa_cache_dims": gqa,
+        "achieved_ratio": achieved / gqa,
+        "calib": None if calib is None else str(calib),
+        "calib_tokens": opts.calib_tokens if calib is not None else None,
     }
 
 
@@ -179,13 +249,14 @@ def _numel(shape) -> int:
 # ------------------------------------------------------------------ converting
 
 
-def _convert_layers(source, spec, opts, plans, sink, dtype, progress: bool) -> list[LayerInfo]:
+def _convert_layers(source, spec, opts, plans, stats, sink, dtype, progress: bool) -> list[LayerInfo]:
     """Convert layer by layer, handing each output tensor (cast to `dtype`) to `sink`."""
     infos = []
     bar = tqdm(range(spec.n_layers), desc="converting", unit="layer", disable=None if progress else True)
     for layer in bar:
         weights = read_layer(source, spec, layer)
-        tensors, info = convert_layer(weights, spec, opts.latent, opts.layout, opts.rank)
+        weighting = _weighting(weights, spec, opts, stats, layer)
+        tensors, info = convert_layer(weights, spec, opts.latent, opts.layout, plans[layer]["ranks"], weighting)
         prefix = spec.prefix(layer)
         for name in plans[layer]["shapes"]:
             sink(prefix + name, tensors[name].to(dtype).contiguous())
@@ -210,11 +281,12 @@ def convert_state_dict(state_dict: dict[str, torch.Tensor], config, **options) -
     config = config.to_dict() if hasattr(config, "to_dict") else (dict(config) if config else None)
     source = StateDictSource(state_dict, config)
     spec = _spec(source, config, opts)
-    plans = _plan_layers(source, spec, opts)
+    stats = _calibration(source, spec, opts)
+    plans = _plan_layers(source, spec, opts, stats)
     dtype = _attention_dtype(source, spec)
     replaced = {n for layer in range(spec.n_layers) for n in attention_names(source, spec, layer)}
     result = MLAStateDict((k, v) for k, v in state_dict.items() if k not in replaced)
-    result.layers = _convert_layers(source, spec, opts, plans, result.__setitem__, dtype, progress=False)
+    result.layers = _convert_layers(source, spec, opts, plans, stats, result.__setitem__, dtype, progress=False)
     result.config = {**(config or {}), "mla": _mla_section(spec, opts, result.layers, plans)}
     return result
 
@@ -269,6 +341,7 @@ def gqa2mla(src, output=None, **options) -> ConversionResult:
     FAIL does not raise: the output is kept with its report; check `.passed`.
     """
     opts = ConvertOptions.from_kwargs(**options)
+    opts.check_verifiable()
     timings: dict[str, float] = {}
     start = time.perf_counter()
     src = Path(src)
@@ -276,7 +349,8 @@ def gqa2mla(src, output=None, **options) -> ConversionResult:
     with open_checkpoint(src) as source:
         _check_output(src, output)
         spec = _spec(source, source.config, opts)
-        plans = _plan_layers(source, spec, opts)
+        stats = _calibration(source, spec, opts)
+        plans = _plan_layers(source, spec, opts, stats)
         dtype = _attention_dtype(source, spec)
         plan, replaced = _output_plan(source, spec, plans, dtype)
         timings["plan_s"] = time.perf_counter() - start
@@ -286,7 +360,7 @@ def gqa2mla(src, output=None, **options) -> ConversionResult:
             for name in source.keys():
                 if name not in replaced:
                     writer.write_raw(name, source.raw_bytes(name))
-            infos = _convert_layers(source, spec, opts, plans, writer.write, dtype, opts.progress)
+            infos = _convert_layers(source, spec, opts, plans, stats, writer.write, dtype, opts.progress)
             config = {**(source.config or {}), "mla": _mla_section(spec, opts, infos, plans)}
             writer.write_json("config.json", config)
             _copy_aux_files(source, writer)

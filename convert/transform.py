@@ -17,6 +17,7 @@ import torch
 
 from convert.arch import AttentionSpec
 from convert.linalg import Factor, absorb_output, absorb_query, expand_groups, joint_factor, real_factor, rope_factor
+from convert.linalg.weighted import weighted_factor, weighted_rope_factor
 
 
 @dataclass
@@ -66,7 +67,7 @@ def exact_ranks(spec: AttentionSpec, latent: str, layout: str, key_bias: bool) -
     return {"rank_k": rank_k, "rank_v": min(rows, spec.hidden_size)}
 
 
-def _with_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def with_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """(m, D) weight and (m,) bias -> (m, D+1): the affine map as a linear one on [y; 1]."""
     if bias is None:
         return weight.double()
@@ -74,7 +75,7 @@ def _with_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def _split_bias(aug: torch.Tensor, has_bias: bool, name: str) -> dict[str, torch.Tensor]:
-    """Inverse of `_with_bias` into `{name}.weight` / `{name}.bias` entries."""
+    """Inverse of `with_bias` into `{name}.weight` / `{name}.bias` entries."""
     if not has_bias:
         return {f"{name}.weight": aug}
     return {f"{name}.weight": aug[:, :-1], f"{name}.bias": aug[:, -1]}
@@ -85,41 +86,58 @@ def _relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return float((approx - exact).norm() / norm) if norm > 0 else float((approx - exact).norm())
 
 
-def _key_factor(w: LayerWeights, spec: AttentionSpec, layout: str, rank: int | None) -> tuple[Factor, bool]:
+def _key_factor(w: LayerWeights, spec: AttentionSpec, layout: str, rank: int | None, weighting) -> tuple[Factor, bool]:
     """Factor the keys; returns the factor and whether its latent is affine (key bias kept)."""
     affine = spec.rope and w.k_bias is not None
-    keys = _with_bias(w.k, w.k_bias if affine else None)  # (G·d, D[+1])
-    if spec.rope and layout == "absorbed":
+    keys = with_bias(w.k, w.k_bias if affine else None)  # (G·d, D[+1])
+    per_frequency = spec.rope and layout == "absorbed"
+    if weighting is not None:
+        if per_frequency:
+            return weighted_rope_factor(keys, spec.n_kv_heads, rank, weighting.key_pairs, weighting.key_moment), affine
+        return weighted_factor(keys, rank, weighting.key_rows, weighting.key_moment), affine
+    if per_frequency:
         return rope_factor(keys, spec.n_kv_heads, rank), affine
     return real_factor(keys, rank), affine
 
 
-def factor_layer(w: LayerWeights, spec: AttentionSpec, latent: str, layout: str, rank: int | None):
-    """Factor one layer's keys and values: (key factor, value factor, affine key latent, notes)."""
+def _value_factor(w: LayerWeights, rank: int | None, weighting) -> Factor:
+    if weighting is not None:
+        return weighted_factor(w.v, rank, weighting.value_rows, weighting.value_moment)
+    return real_factor(w.v, rank)
+
+
+def factor_layer(w: LayerWeights, spec: AttentionSpec, latent: str, layout: str, ranks: dict | None, weighting=None):
+    """Factor one layer's keys and values: (key factor, value factor, affine key latent, notes).
+
+    ranks: {"rank_k", "rank_v"} or {"rank_kv"}; None = exact. weighting: a
+    `convert.compress.Weighting` for compression below the exact rank, or None
+    (plain SVD, exact at full rank).
+    """
+    ranks = ranks or {}
     notes = []
     if w.k_bias is not None and not spec.rope:
         notes.append("k bias dropped: without RoPE q·b_K is constant over keys and cancels in softmax")
     if latent == "joint":
-        key_f, value_f = joint_factor(w.k, w.v, rank)
+        key_f, value_f = joint_factor(w.k, w.v, ranks.get("rank_kv"))
         return key_f, value_f, False, notes
-    key_f, affine = _key_factor(w, spec, layout, rank)
-    return key_f, real_factor(w.v, rank), affine, notes
+    key_f, affine = _key_factor(w, spec, layout, ranks.get("rank_k"), weighting)
+    return key_f, _value_factor(w, ranks.get("rank_v"), weighting), affine, notes
 
 
-def convert_layer(w: LayerWeights, spec: AttentionSpec, latent: str, layout: str, rank: int | None = None):
+def convert_layer(w: LayerWeights, spec: AttentionSpec, latent: str, layout: str, ranks: dict | None = None, weighting=None):
     """Convert one layer. Returns (tensors by relative name, LayerInfo)."""
-    key_f, value_f, affine, notes = factor_layer(w, spec, latent, layout, rank)
+    key_f, value_f, affine, notes = factor_layer(w, spec, latent, layout, ranks, weighting)
     up_k = expand_groups(key_f.up, spec.n_heads, spec.n_kv_heads, spec.head_map)  # (H·d, r_K)
     up_v = expand_groups(value_f.up, spec.n_heads, spec.n_kv_heads, spec.head_map)  # (H·d, r_V)
     out = _down_tensors(key_f, value_f, affine, latent)
     out_bias = _output_bias(w, spec)
     if layout == "absorbed":
-        q_hat = absorb_query(_with_bias(w.q, w.q_bias), up_k, spec.n_heads)  # (H·r_K, D[+1])
+        q_hat = absorb_query(with_bias(w.q, w.q_bias), up_k, spec.n_heads)  # (H·r_K, D[+1])
         out |= _split_bias(q_hat, w.q_bias is not None, "q_absorbed")
         out["o_absorbed.weight"] = absorb_output(w.o, up_v, spec.n_heads)  # (D, H·r_V)
         out |= {"o_absorbed.bias": out_bias} if out_bias is not None else {}
     else:
-        out |= _split_bias(_with_bias(w.q, w.q_bias), w.q_bias is not None, "q_proj")
+        out |= _split_bias(with_bias(w.q, w.q_bias), w.q_bias is not None, "q_proj")
         out |= {"k_up.weight": up_k, "v_up.weight": up_v, "o_proj.weight": w.o.double()}
         out |= {"o_proj.bias": out_bias} if out_bias is not None else {}
     return out, _layer_info(w, spec, key_f, value_f, affine, latent, layout, notes)
@@ -142,7 +160,7 @@ def _output_bias(w: LayerWeights, spec: AttentionSpec) -> torch.Tensor | None:
 
 
 def _layer_info(w, spec, key_f, value_f, affine, latent, layout, notes) -> LayerInfo:
-    keys = _with_bias(w.k, w.k_bias if affine else None)
+    keys = with_bias(w.k, w.k_bias if affine else None)
     if latent == "joint":
         ranks = {"rank_kv": key_f.rank}
         energy = {"kv": key_f.retained_energy()}

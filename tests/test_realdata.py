@@ -161,6 +161,12 @@ def test_jargon_text():
     assert "hacker" in text
 
 
+def test_devil_text():
+    text = rd.devil_text()
+    assert len(text.split()) > 30_000
+    assert "AMBROSE BIERCE" in text and "CYNIC, n." in text
+
+
 # ---------------------------------------------------------------- model
 
 def test_smollm2_dir_loads_with_expected_config():

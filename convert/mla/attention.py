@@ -46,9 +46,11 @@ class MLAAttention(nn.Module):
     bias), mla: the `mla` section (layout, latent, n_heads, head_dim, …).
     """
 
-    def __init__(self, hidden_size: int, mla: dict, layer: dict, layer_idx: int, rotary=None, causal: bool = True):
+    def __init__(self, hidden_size: int, mla: dict, layer: dict, layer_idx: int, rotary=None, causal: bool = True,
+                 sliding_window: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
+        self.sliding_window = sliding_window  # used only when no mask is passed in
         self.layout, self.joint = mla["layout"], mla["latent"] == "joint"
         self.n_heads, self.head_dim = mla["n_heads"], mla["head_dim"]
         self.scaling = mla["softmax_scale"]
@@ -101,7 +103,7 @@ class MLAAttention(nn.Module):
         elif attention_mask is not None:
             scores = scores + attention_mask[..., : k.shape[-2]]
         elif self.is_causal and q.shape[-2] > 1:
-            scores = scores + _causal_mask(q.shape[-2], k.shape[-2], scores)
+            scores = scores + _causal_mask(q.shape[-2], k.shape[-2], scores, self.sliding_window)
         # float32 at least, as transformers does for half precision; float64 stays float64
         probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
         out = torch.matmul(probs, v)  # (B, H, L, f)
@@ -165,8 +167,11 @@ def _remember_positions(layer, positions: torch.Tensor, seq: int) -> torch.Tenso
     return attended
 
 
-def _causal_mask(length: int, total: int, like: torch.Tensor) -> torch.Tensor:
-    """Additive (L, S) causal mask for the last L of S positions."""
+def _causal_mask(length: int, total: int, like: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Additive (L, S) causal mask for the last L of S positions (and a sliding window, as
+    transformers builds it: a query sees itself and the window − 1 keys before it)."""
     offset = total - length
     allowed = torch.ones(length, total, dtype=torch.bool, device=like.device).tril(offset)
+    if window is not None:
+        allowed &= ~torch.ones_like(allowed).tril(offset - window)
     return torch.zeros(length, total, dtype=like.dtype, device=like.device).masked_fill(~allowed, float("-inf"))

@@ -55,8 +55,8 @@ def swap_attention(model, mla: dict) -> None:
     inner = model.model
     for i, layer in enumerate(inner.layers):
         old = layer.self_attn
-        new = MLAAttention(mla["hidden_size"], mla, mla["layers"][i], i, rotary=inner.rotary_emb, causal=True)
-        new.sliding_window = getattr(old, "sliding_window", None)
+        window = getattr(old, "sliding_window", None)
+        new = MLAAttention(mla["hidden_size"], mla, mla["layers"][i], i, rotary=inner.rotary_emb, sliding_window=window)
         layer.self_attn = new.to(dtype=next(old.parameters()).dtype)
 
 
@@ -80,13 +80,21 @@ def load_strict(model, state: dict, where) -> None:
         model.tie_weights()
 
 
-def load_state(model, path: Path) -> None:
-    """Load every tensor of the converted files into the model, strictly."""
-    state = {}
-    for file in weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            state |= {name: f.get_tensor(name) for name in f.keys()}
-    load_strict(model, state, path)
+def build_mla_model(config: dict, state: dict, dtype: torch.dtype = torch.float32):
+    """An MLA causal LM from a converted config (with `mla`) and state dict, in memory."""
+    from transformers import AutoModelForCausalLM
+
+    mla = config["mla"]
+    arch = ARCHS.get(mla["source_architecture"])
+    if arch is None or arch.hf_attention is None:
+        raise ConvertError(
+            f"source architecture {mla['source_architecture']!r} has no runnable transformers model; "
+            "use `convert verify` for per-layer checks"
+        )
+    model = AutoModelForCausalLM.from_config(hf_config(config, dtype), dtype=dtype)
+    swap_attention(model, mla)
+    load_strict(model, state, "converted weights")
+    return model.eval()
 
 
 def load_mla_model(path, device=None, dtype=None):
@@ -97,23 +105,17 @@ def load_mla_model(path, device=None, dtype=None):
     `model(input_ids).logits` and `model.generate(...)`; the KV cache holds
     latents only.
     """
-    from transformers import AutoModelForCausalLM
-
     path = Path(path)
     config = read_mla_config(path)
-    mla = config["mla"]
-    arch = ARCHS.get(mla["source_architecture"])
-    if arch is None or arch.hf_attention is None:
-        raise ConvertError(
-            f"{path}: source architecture {mla['source_architecture']!r} has no runnable transformers model; "
-            "use `convert verify` for per-layer checks"
-        )
-    torch_dtype = _resolve_dtype(dtype, config)
-    hf = hf_config(config, torch_dtype)
-    model = AutoModelForCausalLM.from_config(hf, dtype=torch_dtype)
-    swap_attention(model, mla)
-    load_state(model, path)
-    return model.to(device or "cpu").eval()
+    state = {}
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            state |= {name: f.get_tensor(name) for name in f.keys()}
+    try:
+        model = build_mla_model(config, state, _resolve_dtype(dtype, config))
+    except ConvertError as err:
+        raise ConvertError(f"{path}: {err}") from None
+    return model.to(device or "cpu")
 
 
 def cache_bytes_per_token(model, n_tokens: int = 8) -> float:

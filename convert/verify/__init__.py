@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from convert.errors import ConvertError
 from convert.io import open_checkpoint
 from convert.mla.model import DTYPES, read_mla_config
+from convert.text import text_token_ids
 from convert.verify.e2e import end_to_end, fits_in_memory
 from convert.verify.layers import LayerRun, check_hf_layers, check_seed_layers
 from convert.verify.report import coarsest, failures, render_markdown, thresholds, write_report
@@ -43,22 +44,6 @@ def _sha256(path: Path) -> str:
 
 def _files(checkpoint) -> dict:
     return {"path": str(checkpoint.path), "files": {f.name: _sha256(f) for f in checkpoint.files}}
-
-
-def text_token_ids(text_path: Path, original_root: Path, vocab_size: int, n_tokens: int) -> torch.Tensor:
-    """Token ids (1, N) of a text: the original's tokenizer when it has one, else UTF-8 bytes mod vocab."""
-    if not Path(text_path).is_file():
-        raise ConvertError(f"--text {text_path}: no such file; give a UTF-8 text file")
-    text = Path(text_path).read_text(encoding="utf-8", errors="replace")
-    if any((original_root / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        from transformers import AutoTokenizer
-
-        ids = AutoTokenizer.from_pretrained(original_root)(text)["input_ids"]
-    else:
-        ids = [b % vocab_size for b in text.encode("utf-8")]
-    if len(ids) < 2:
-        raise ConvertError(f"--text {text_path}: fewer than 2 tokens; give a longer text")
-    return torch.tensor(ids[:n_tokens])[None]
 
 
 def _versions() -> dict:
@@ -145,4 +130,7 @@ def _text_input(text, ids) -> dict | None:
 
 def verify(src, converted_dir, opts) -> dict:
     """Verification as `gqa2mla` runs it, from its options."""
-    return verify_paths(src, converted_dir, text=opts.text, tokens=opts.tokens, device=opts.device, dtype=opts.dtype, progress=opts.progress)
+    return verify_paths(
+        src, converted_dir, text=opts.text, tokens=opts.tokens, device=opts.device, dtype=opts.dtype,
+        max_ppl_ratio=opts.max_ppl_ratio, progress=opts.progress,
+    )

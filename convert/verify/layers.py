@@ -7,15 +7,13 @@ really reach that layer: the original decoder layers run one after another on
 captured hidden states. Without, they are random N(0, 1) (post-norm scale).
 """
 
-import importlib
 from dataclasses import dataclass
 
 import torch
 
-from convert.arch import ARCHS
 from convert.io import Checkpoint
 from convert.mla.attention import MLAAttention
-from convert.mla.model import hf_config
+from convert.stream import LayerStream, load_module
 from convert.verify.seed import MyGQA
 
 
@@ -37,21 +35,6 @@ class LayerRun:
         return self.mla["layer_prefix"].format(i=layer)
 
 
-def _load(module: torch.nn.Module, checkpoint: Checkpoint, prefix: str, run: LayerRun) -> torch.nn.Module:
-    """Load the tensors under `prefix` into `module` (strictly) on the run's device/dtype."""
-    state = {k[len(prefix) :]: checkpoint.get(k) for k in checkpoint.keys() if k.startswith(prefix)}
-    module.load_state_dict(state, strict=True)
-    return module.to(device=run.device, dtype=run.dtype).eval()
-
-
-def _hf_classes(arch_name: str) -> tuple[type, type, type]:
-    """transformers' (Attention, DecoderLayer, RotaryEmbedding) classes of the family."""
-    module_name, attention = ARCHS[arch_name].hf_attention.split(":")
-    module = importlib.import_module(module_name)
-    family = attention.removesuffix("Attention")
-    return getattr(module, attention), getattr(module, f"{family}DecoderLayer"), getattr(module, f"{family}RotaryEmbedding")
-
-
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     """(relative Frobenius error, max abs error), computed in float64."""
     diff = (got.double() - ref.double())
@@ -62,50 +45,29 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 def _mla_module(run: LayerRun, layer: int, rotary=None) -> MLAAttention:
     mla = run.mla
     module = MLAAttention(mla["hidden_size"], mla, mla["layers"][layer], layer, rotary=rotary, causal=mla["causal"])
-    return _load(module, run.converted, run.prefix(layer), run)
-
-
-def _mask(config, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """transformers' own additive mask for this layer (causal, sliding window where the layer has one)."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    layer_types = getattr(config, "layer_types", None)
-    sliding = layer_types[layer] == "sliding_attention" if layer_types else getattr(config, "sliding_window", None)
-    make = create_sliding_window_causal_mask if sliding else create_causal_mask
-    return make(config=config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=positions)
+    return load_module(module, run.converted, run.prefix(layer), run.device, run.dtype)
 
 
 def check_hf_layers(run: LayerRun, token_ids: torch.Tensor | None, n_tokens: int, progress) -> list[dict]:
     """Per-layer errors of a transformers architecture (Llama, Mistral, Qwen2)."""
-    mask_config = hf_config(run.config)  # eager: masks come out additive
-    ref_config = hf_config(run.config)
-    ref_config._attn_implementation = "sdpa"  # eager softmax is float32 even for float64 inputs
-    attention_cls, decoder_cls, rotary_cls = _hf_classes(run.mla["source_architecture"])
-    rotary = rotary_cls(ref_config).to(run.device)
-    length = n_tokens if token_ids is None else token_ids.shape[-1]
-    positions = torch.arange(length, device=run.device)[None]  # (1, L)
-    generator = torch.Generator().manual_seed(0)
-    hidden = None
-    if token_ids is not None:
-        embed = run.original.get(ARCHS[run.mla["source_architecture"]].embed)
-        hidden = embed[token_ids].to(device=run.device, dtype=run.dtype)  # (1, L, D)
+    stream = LayerStream(run.original, run.config, run.device, run.dtype)
     results = []
-    for layer in progress(range(run.mla["n_layers"])):
+
+    def compare(layer, x, reference, inputs):
+        positions, rotary, mask = inputs
         with torch.no_grad():
-            if hidden is None:
-                decoder = None
-                x = torch.randn(1, length, run.mla["hidden_size"], generator=generator).to(run.device, run.dtype)
-                reference = _load(attention_cls(ref_config, layer), run.original, run.prefix(layer), run)
-            else:
-                decoder = _load(decoder_cls(ref_config, layer), run.original, f"model.layers.{layer}.", run)
-                x, reference = decoder.input_layernorm(hidden), decoder.self_attn
-            pe = rotary(x, positions)
-            mask = _mask(mask_config, layer, x, positions)
-            ref = reference(x, position_embeddings=pe, attention_mask=mask)[0]
-            got = _mla_module(run, layer, rotary)(x, pe, mask, position_ids=positions)[0]
-            if decoder is not None:
-                hidden = decoder(hidden, attention_mask=mask, position_embeddings=pe, position_ids=positions)
+            ref = reference(x, position_embeddings=rotary, attention_mask=mask)[0]
+            got = _mla_module(run, layer, stream.rotary)(x, rotary, mask, position_ids=positions)[0]
         results.append(_layer_result(run, layer, got, ref))
+
+    if token_ids is not None:
+        for layer, x, decoder, inputs in stream.run(token_ids, run.mla["n_layers"], progress):
+            compare(layer, x, decoder.self_attn, inputs)
+        return results
+    generator = torch.Generator().manual_seed(0)
+    for layer in progress(range(run.mla["n_layers"])):
+        x = torch.randn(1, n_tokens, run.mla["hidden_size"], generator=generator).to(run.device, run.dtype)
+        compare(layer, x, stream.attention(layer), stream.inputs(layer, x))
     return results
 
 
@@ -116,7 +78,7 @@ def check_seed_layers(run: LayerRun, n_tokens: int, progress) -> list[dict]:
     results = []
     for layer in progress(range(mla["n_layers"])):
         d, hidden = mla["head_dim"], mla["hidden_size"]
-        reference = _load(MyGQA(hidden, hidden, d, d, mla["n_heads"], mla["n_kv_heads"]), run.original, run.prefix(layer), run)
+        reference = load_module(MyGQA(hidden, hidden, d, d, mla["n_heads"], mla["n_kv_heads"]), run.original, run.prefix(layer), run.device, run.dtype)
         x = torch.randn(1, n_tokens, hidden, generator=generator).to(run.device, run.dtype)
         with torch.no_grad():
             ref = reference(x, x)

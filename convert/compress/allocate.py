@@ -1,0 +1,55 @@
+"""Spending a KV-cache budget across layers, keys and values (DESIGN §6).
+
+Each latent (a layer's keys or values) has a spectrum of weighted singular
+values; keeping component i removes σ_i² from its error. `uniform` gives every
+latent the same rank (the baseline). `global` ranks every component of every
+latent by the share of its latent's weighted energy it carries, per cache dim
+it costs (a RoPE key pair costs 2), and keeps the best until the budget is
+spent: it minimizes the sum over latents of relative weighted error.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Latent:
+    """One latent to allocate: its name, spectrum, and the cache dims per component."""
+
+    layer: int
+    name: str  # "rank_k" or "rank_v"
+    spectrum: torch.Tensor  # descending singular values
+    cost: int  # cache dims per kept component
+    minimum: int = 1  # components kept whatever the budget
+
+
+def budget_dims(ratio: float, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
+    """Cache dims per token (all layers) for keeping `ratio` of GQA's 2·G·d per layer."""
+    return round(ratio * n_layers * 2 * n_kv_heads * head_dim)
+
+
+def allocate_global(latents: list[Latent], budget: int) -> list[dict]:
+    """Ranks per layer, {"rank_k", "rank_v"}, spending exactly `budget` cache dims when possible."""
+    kept = {id(lat): lat.minimum for lat in latents}
+    spent = sum(lat.minimum * lat.cost for lat in latents)
+    if spent > budget:
+        raise ValueError(f"a budget of {budget} dims is below the minimum of {spent} (one component per latent)")
+    candidates = []
+    for lat in latents:
+        share = lat.spectrum.double() ** 2 / (lat.spectrum.double() ** 2).sum().clamp(min=1e-300)
+        candidates += [(float(share[i]) / lat.cost, i, lat) for i in range(lat.minimum, len(share))]
+    candidates.sort(key=lambda c: -c[0])
+    for _, _, lat in candidates:  # per latent the shares descend, so each latent keeps a prefix
+        if spent + lat.cost <= budget:
+            kept[id(lat)] += 1
+            spent += lat.cost
+    return _ranks(latents, kept)
+
+
+def _ranks(latents: list[Latent], kept: dict) -> list[dict]:
+    n_layers = max(lat.layer for lat in latents) + 1
+    ranks = [{} for _ in range(n_layers)]
+    for lat in latents:
+        ranks[lat.layer][lat.name] = kept[id(lat)] * lat.cost
+    return ranks

@@ -1,0 +1,84 @@
+"""Run the original model one decoder layer at a time, from its checkpoint.
+
+Verification and calibration both need the hidden states that really reach
+each layer. Loading the whole model would cap the size we can handle at the
+machine's memory; here one layer is built, loaded lazily from the safetensors
+files, run on the captured hidden states, and dropped.
+"""
+
+import importlib
+
+import torch
+
+from convert.arch import ARCHS
+from convert.mla.model import hf_config
+
+
+def hf_classes(arch_name: str) -> tuple[type, type, type]:
+    """transformers' (Attention, DecoderLayer, RotaryEmbedding) classes of the family."""
+    module_name, attention = ARCHS[arch_name].hf_attention.split(":")
+    module = importlib.import_module(module_name)
+    family = attention.removesuffix("Attention")
+    return getattr(module, attention), getattr(module, f"{family}DecoderLayer"), getattr(module, f"{family}RotaryEmbedding")
+
+
+def load_module(module: torch.nn.Module, checkpoint, prefix: str, device, dtype) -> torch.nn.Module:
+    """Load the tensors under `prefix` into `module` (strictly) on `device`/`dtype`."""
+    state = {k[len(prefix) :]: checkpoint.get(k) for k in checkpoint.keys() if k.startswith(prefix)}
+    module.load_state_dict(state, strict=True)
+    return module.to(device=device, dtype=dtype).eval()
+
+
+def causal_mask(config, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """transformers' own mask for this layer (causal, sliding window where the layer has one)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    layer_types = getattr(config, "layer_types", None)
+    sliding = layer_types[layer] == "sliding_attention" if layer_types else getattr(config, "sliding_window", None)
+    make = create_sliding_window_causal_mask if sliding else create_causal_mask
+    return make(config=config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=positions)
+
+
+class LayerStream:
+    """The original transformers model of `config`, run layer by layer from `checkpoint`.
+
+    config: a config.json dict (a converted one's `mla` section is ignored).
+    Reference modules use SDPA, whose softmax keeps float64 in float64 (eager
+    attention does it in float32); masks are made additive (eager) so the MLA
+    modules can take them too.
+    """
+
+    def __init__(self, checkpoint, config: dict, device, dtype):
+        self.checkpoint, self.device, self.dtype = checkpoint, device, dtype
+        self.arch = ARCHS[config.get("mla", {}).get("source_architecture") or config["model_type"]]
+        self.mask_config = hf_config(config)
+        self.ref_config = hf_config(config)
+        self.ref_config._attn_implementation = "sdpa"
+        self.attention_cls, self.decoder_cls, rotary_cls = hf_classes(self.arch.name)
+        self.rotary = rotary_cls(self.ref_config).to(device)
+
+    def attention(self, layer: int) -> torch.nn.Module:
+        """transformers' own attention module of `layer`, with the original weights."""
+        prefix = self.arch.layer_prefixes[0].format(i=layer)
+        return load_module(self.attention_cls(self.ref_config, layer), self.checkpoint, prefix, self.device, self.dtype)
+
+    def inputs(self, layer: int, x: torch.Tensor):
+        """(position ids, rotary (cos, sin), additive mask) for hidden states x (B, L, D)."""
+        positions = torch.arange(x.shape[1], device=self.device)[None]  # (1, L)
+        return positions, self.rotary(x, positions), causal_mask(self.mask_config, layer, x, positions)
+
+    def run(self, token_ids: torch.Tensor, n_layers: int, progress=iter):
+        """Yield (layer, x, decoder, (positions, rotary, mask)) for each layer, x (B, L, D)
+        the normed hidden states entering its attention; advances when resumed."""
+        embed = self.checkpoint.get(self.arch.embed)
+        hidden = embed[token_ids.cpu()].to(device=self.device, dtype=self.dtype)  # (B, L, D)
+        for layer in progress(range(n_layers)):
+            decoder = load_module(
+                self.decoder_cls(self.ref_config, layer), self.checkpoint, f"model.layers.{layer}.", self.device, self.dtype
+            )
+            with torch.no_grad():
+                x = decoder.input_layernorm(hidden)
+                inputs = self.inputs(layer, x)
+                yield layer, x, decoder, inputs
+                positions, rotary, mask = inputs
+                hidden = decoder(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)

@@ -1,0 +1,29 @@
+"""Text to token ids, for verification and calibration."""
+
+from pathlib import Path
+
+import torch
+
+from convert.errors import ConvertError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def text_token_ids(text_path: Path, model_root: Path, vocab_size: int, n_tokens: int, what: str = "--text") -> torch.Tensor:
+    """The first `n_tokens` token ids (1, N) of a UTF-8 text file.
+
+    Uses the model's own tokenizer when its directory has one; a checkpoint
+    without a tokenizer (e.g. a random fixture) gets UTF-8 bytes mod vocab_size.
+    """
+    if not Path(text_path).is_file():
+        raise ConvertError(f"{what} {text_path}: no such file; give a UTF-8 text file")
+    text = Path(text_path).read_text(encoding="utf-8", errors="replace")
+    if any((Path(model_root) / n).is_file() for n in TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(model_root)(text)["input_ids"]
+    else:
+        ids = [b % vocab_size for b in text.encode("utf-8")]
+    if len(ids) < 2:
+        raise ConvertError(f"{what} {text_path}: fewer than 2 tokens; give a longer text")
+    return torch.tensor(ids[:n_tokens])[None]
