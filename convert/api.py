@@ -126,7 +126,7 @@ def _requested_ranks(source, spec: AttentionSpec, opts: ConvertOptions, stats) -
             weights = read_layer(source, spec, layer)
             weighting = _weighting(weights, spec, opts, stats, layer)
             latents += compress.layer_latents(layer, weights, spec, opts.layout, weighting)
-    return compress.plan_ranks(latents, spec, opts.layout, opts.kv_cache_ratio, opts.resolved_allocation)
+    return compress.plan_ranks(latents, spec, opts.layout, opts.kv_cache_ratio, opts.resolved_allocation, opts.resolved_method)
 
 
 def _weighting(weights, spec: AttentionSpec, opts: ConvertOptions, stats, layer: int):
@@ -162,8 +162,21 @@ def _calibration(source, spec: AttentionSpec, opts: ConvertOptions):
     if not isinstance(ids, torch.Tensor):
         root = getattr(source, "root", Path(opts.calib).parent)
         ids = text_token_ids(Path(opts.calib), root, config["vocab_size"], opts.calib_tokens, what="--calib")
+    ids = ids[:, : opts.calib_tokens]
+    if opts.resolved_method == "fisher":
+        progress = (lambda it: tqdm(it, desc="calibrating (Fisher)", unit="window")) if opts.progress else iter
+        return compress.fisher_calibrate(_whole_model(source, config), ids, progress=progress)
     progress = (lambda it: tqdm(it, desc="calibrating", unit="layer")) if opts.progress else iter
-    return compress.calibrate(source, config, ids[:, : opts.calib_tokens], spec.n_layers, progress=progress)
+    return compress.calibrate(source, config, ids, spec.n_layers, progress=progress)
+
+
+def _whole_model(source, config: dict):
+    """The original model in float32 on the CPU, for the Fisher method's backward pass."""
+    from convert.verify.e2e import load_original
+
+    model = load_original(source, config, "cpu", torch.float32)
+    model.requires_grad_(False)
+    return model
 
 
 def _mla_section(spec: AttentionSpec, opts: ConvertOptions, infos: list[LayerInfo], plans: list[dict]) -> dict:

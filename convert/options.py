@@ -9,7 +9,7 @@ LAYOUTS = ("absorbed", "factored")
 LATENTS = ("split", "joint")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
-METHODS = ("svd", "whitened", "aware")
+METHODS = ("svd", "whitened", "aware", "fisher")
 ALLOCATIONS = ("uniform", "global")
 
 
@@ -23,9 +23,9 @@ class ConvertOptions:
       (split|joint), layout (absorbed|factored), rank (latent dims per latent;
       None = exact).
     Compression (below the exact rank, lossy): kv_cache_ratio (fraction of the
-      GQA cache to keep) or rank; method (svd|whitened|aware; default aware
-      with calib, else svd); allocation (uniform|global; default global for
-      aware); calib (a text file, or token ids (1, N) from the API), calib_tokens.
+      GQA cache to keep) or rank; method (svd|whitened|aware|fisher; default
+      fisher with calib, else svd); allocation (uniform|global; default global
+      for aware and fisher); calib (a text file, or token ids (1, N) from the API), calib_tokens.
     Output: max_shard_size (bytes or "5GB"), force (replace an existing output),
       progress (a progress bar on a terminal).
     Verification: verify, text (a text file; else random inputs), tokens,
@@ -74,11 +74,11 @@ class ConvertOptions:
 
     @property
     def resolved_method(self) -> str:
-        return self.method or ("aware" if self.calib is not None else "svd")
+        return self.method or ("fisher" if self.calib is not None else "svd")
 
     @property
     def resolved_allocation(self) -> str:
-        return self.allocation or ("global" if self.resolved_method == "aware" else "uniform")
+        return self.allocation or ("global" if self.resolved_method in ("aware", "fisher") else "uniform")
 
     def _check_compression(self) -> None:
         if self.method is not None:

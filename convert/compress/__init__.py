@@ -9,12 +9,12 @@ import torch
 
 from convert.arch import AttentionSpec
 from convert.compress.allocate import Latent, allocate_global, budget_dims
-from convert.compress.calibrate import LayerStats, calibrate
+from convert.compress.calibrate import LayerStats, calibrate, fisher_calibrate
 from convert.compress.weights import METHODS, Weighting, layer_weighting
 from convert.linalg.weighted import pair_weighted_moment_spectrum, weighted_spectrum
 from convert.transform import LayerWeights, with_bias
 
-__all__ = ["METHODS", "LayerStats", "Weighting", "calibrate", "layer_weighting", "layer_latents", "plan_ranks", "uniform_ranks"]
+__all__ = ["METHODS", "LayerStats", "Weighting", "calibrate", "fisher_calibrate", "layer_weighting", "layer_latents", "plan_ranks", "uniform_ranks"]
 
 
 def layer_latents(layer: int, w: LayerWeights, spec: AttentionSpec, layout: str, weighting: Weighting | None) -> list[Latent]:
@@ -40,9 +40,9 @@ def uniform_ranks(spec: AttentionSpec, layout: str, ratio: float) -> dict:
     return {"rank_k": rank_k, "rank_v": per_layer - rank_k}
 
 
-def plan_ranks(latents: list[Latent], spec: AttentionSpec, layout: str, ratio: float, allocation: str) -> list[dict]:
+def plan_ranks(latents: list[Latent], spec: AttentionSpec, layout: str, ratio: float, allocation: str, method: str) -> list[dict]:
     """Per-layer ranks for a cache `ratio` of GQA's: uniform, or global by weighted energy."""
     if allocation == "uniform":
         return [uniform_ranks(spec, layout, ratio) for _ in range(spec.n_layers)]
     budget = budget_dims(ratio, spec.n_layers, spec.n_kv_heads, spec.head_dim)
-    return allocate_global(latents, budget)
+    return allocate_global(latents, budget, normalize=method != "fisher")

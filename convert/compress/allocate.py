@@ -29,15 +29,22 @@ def budget_dims(ratio: float, n_layers: int, n_kv_heads: int, head_dim: int) -> 
     return round(ratio * n_layers * 2 * n_kv_heads * head_dim)
 
 
-def allocate_global(latents: list[Latent], budget: int) -> list[dict]:
-    """Ranks per layer, {"rank_k", "rank_v"}, spending exactly `budget` cache dims when possible."""
+def allocate_global(latents: list[Latent], budget: int, normalize: bool = True) -> list[dict]:
+    """Ranks per layer, {"rank_k", "rank_v"}, spending exactly `budget` cache dims when possible.
+
+    normalize: rank components by their share of their own latent's energy
+    (spectra in unrelated units); False when the spectra share one unit
+    (Fisher weighting: loss), so the largest σ² anywhere goes first.
+    """
     kept = {id(lat): lat.minimum for lat in latents}
     spent = sum(lat.minimum * lat.cost for lat in latents)
     if spent > budget:
         raise ValueError(f"a budget of {budget} dims is below the minimum of {spent} (one component per latent)")
     candidates = []
     for lat in latents:
-        share = lat.spectrum.double() ** 2 / (lat.spectrum.double() ** 2).sum().clamp(min=1e-300)
+        share = lat.spectrum.double() ** 2
+        if normalize:
+            share = share / share.sum().clamp(min=1e-300)
         candidates += [(float(share[i]) / lat.cost, i, lat) for i in range(lat.minimum, len(share))]
     candidates.sort(key=lambda c: -c[0])
     for _, _, lat in candidates:  # per latent the shares descend, so each latent keeps a prefix

@@ -9,11 +9,14 @@ from convert.stream import LayerStream
 
 @dataclass
 class LayerStats:
-    """E[x xᵀ] and E[x] of a layer's attention inputs x (post-norm hidden states), float64."""
+    """E[x xᵀ] and E[x] of a layer's attention inputs x (post-norm hidden states), float64,
+    and for the Fisher method the gradient second moments of its key and value outputs."""
 
     moment: torch.Tensor  # (D, D)
     mean: torch.Tensor  # (D,)
     tokens: int
+    key_fisher: torch.Tensor | None = None  # (G·d, G·d) E[g gᵀ], g = ∂loss/∂k (fisher_calibrate)
+    value_fisher: torch.Tensor | None = None  # (G·d, G·d) E[g gᵀ], g = ∂loss/∂v
 
     def augmented(self) -> torch.Tensor:
         """Second moment of [x; 1] (D+1, D+1), for affine maps (a bias as an extra column)."""
@@ -38,3 +41,53 @@ def calibrate(checkpoint, config: dict, token_ids: torch.Tensor, n_layers: int, 
         flat = x.reshape(-1, x.shape[-1]).double().cpu()  # (B·L, D)
         stats.append(LayerStats(flat.T @ flat / flat.shape[0], flat.mean(0), flat.shape[0]))
     return stats
+
+
+def fisher_calibrate(model, token_ids: torch.Tensor, window: int = 1024, progress=iter) -> list[LayerStats]:
+    """Input moments plus the Fisher information of each layer's key and value outputs.
+
+    One forward and backward pass of the whole original model (a transformers
+    causal LM) over `token_ids` (1, N). For keys k = W^K y, the loss change of an
+    error Δk is ≈ ½ E[(gᵀ Δk)²] with g = ∂loss/∂k; factored as
+    E[g gᵀ] ⊗ E[y yᵀ] (K-FAC), the weighted SVD of E[g gᵀ]^{1/2} W E[y yᵀ]^{1/2}
+    orders components by the loss they carry, comparable across every layer.
+    """
+    rows = windows(token_ids, min(window, token_ids.shape[-1]))  # (B, L)
+    layers = model.model.layers
+    dim = layers[0].self_attn.k_proj.in_features
+    acc = [{"moment": torch.zeros(dim, dim, dtype=torch.float64), "sum": torch.zeros(dim, dtype=torch.float64),
+            "key": 0, "value": 0, "tokens": 0} for _ in layers]
+    hooks = [_hook(layer.self_attn.k_proj, acc[i], "key", inputs=True) for i, layer in enumerate(layers)]
+    hooks += [_hook(layer.self_attn.v_proj, acc[i], "value", inputs=False) for i, layer in enumerate(layers)]
+    try:
+        for row in progress(rows):
+            ids = row[None]  # (1, L)
+            embeds = model.model.embed_tokens(ids).detach().requires_grad_(True)
+            loss = model(inputs_embeds=embeds, labels=ids).loss * (ids.shape[-1] - 1)  # summed over tokens
+            loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return [
+        LayerStats(a["moment"] / a["tokens"], a["sum"] / a["tokens"], a["tokens"], a["key"] / a["tokens"], a["value"] / a["tokens"])
+        for a in acc
+    ]
+
+
+def _hook(linear: torch.nn.Module, acc: dict, name: str, inputs: bool):
+    """Accumulate the input moments (once per layer) and E[g gᵀ] of the output's gradient."""
+
+    def forward_hook(module, args, output):
+        if inputs:
+            flat = args[0].detach().reshape(-1, args[0].shape[-1]).double()  # (B·L, D)
+            acc["moment"] += flat.T @ flat
+            acc["sum"] += flat.sum(0)
+            acc["tokens"] += flat.shape[0]
+
+        def grad_hook(grad):
+            g = grad.detach().reshape(-1, grad.shape[-1]).double()  # (B·L, G·d)
+            acc[name] = acc[name] + g.T @ g
+
+        output.register_hook(grad_hook)
+
+    return linear.register_forward_hook(forward_hook)

@@ -3,7 +3,10 @@
 - svd: nothing (plain weight SVD, the baseline);
 - whitened: the layer's input second moment M (activation-whitened SVD);
 - aware: M, and the rows weighted by what reads them — the queries for keys
-  (score error), W^O for values (output error).
+  (score error), W^O for values (output error);
+- fisher: M, and the rows weighted by the Fisher information of the key and
+  value outputs, E[g gᵀ] with g = ∂loss/∂k (K-FAC): the weighted singular values
+  are then in units of loss, comparable across layers, keys and values.
 """
 
 from dataclasses import dataclass
@@ -16,7 +19,7 @@ from convert.linalg.heads import group_of_head
 from convert.linalg.weighted import psd_sqrt
 from convert.transform import LayerWeights, with_bias
 
-METHODS = ("svd", "whitened", "aware")
+METHODS = ("svd", "whitened", "aware", "fisher")
 
 
 @dataclass
@@ -69,6 +72,8 @@ def layer_weighting(method: str, w: LayerWeights, spec: AttentionSpec, layout: s
     weighting = Weighting(key_moment=stats.augmented() if affine_key else stats.moment, value_moment=stats.moment)
     if method == "whitened":
         return weighting
+    if method == "fisher":
+        return _fisher_weighting(weighting, spec, layout, stats)
     grams = query_grams(w, spec, stats)
     if spec.rope:
         pairs = pair_rms(grams)  # (G, d/2)
@@ -79,4 +84,21 @@ def layer_weighting(method: str, w: LayerWeights, spec: AttentionSpec, layout: s
     else:
         weighting.key_rows = _block_diag(torch.stack([psd_sqrt(g) for g in grams]))
     weighting.value_rows = _block_diag(torch.stack([psd_sqrt(g) for g in output_grams(w, spec)]))
+    return weighting
+
+
+def _ridge(m: torch.Tensor, rel: float = 1e-6) -> torch.Tensor:
+    """m + rel·mean(diag)·I: keeps directions the calibration text never excited invertible."""
+    return m + rel * m.diagonal().mean() * torch.eye(m.shape[0], dtype=m.dtype)
+
+
+def _fisher_weighting(weighting: Weighting, spec: AttentionSpec, layout: str, stats: LayerStats) -> Weighting:
+    key_f, value_f = _ridge(stats.key_fisher), _ridge(stats.value_fisher)
+    if spec.rope and layout == "absorbed":
+        d = spec.head_dim
+        blocks = key_f.reshape(spec.n_kv_heads, d, spec.n_kv_heads, d).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # (G, d, d)
+        weighting.key_pairs = pair_rms(blocks)
+    else:
+        weighting.key_rows = psd_sqrt(key_f)
+    weighting.value_rows = psd_sqrt(value_f)
     return weighting

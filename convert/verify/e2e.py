@@ -30,7 +30,7 @@ def load_original(original: Checkpoint, config: dict, device, dtype):
     hf._attn_implementation = "sdpa"  # float64 stays float64 in the softmax
     model = AutoModelForCausalLM.from_config(hf, dtype=dtype)
     state = {name: original.get(name) for name in original.keys()}
-    load_strict(model, state, original.path)
+    load_strict(model, state, getattr(original, "path", "the original weights"))
     return model.to(device).eval()
 
 
@@ -44,6 +44,17 @@ def _greedy(model, ids: torch.Tensor) -> list[int]:
     prompt = ids[:, :GREEDY_PROMPT]
     out = model.generate(prompt, max_new_tokens=GREEDY_NEW, do_sample=False, pad_token_id=0)
     return out[0, prompt.shape[1] :].tolist()
+
+
+def perplexity(model, ids: torch.Tensor, window: int = 1024) -> float:
+    """exp(mean next-token NLL) of `ids` (1, N) in non-overlapping windows of `window` tokens."""
+    nll = []
+    with torch.no_grad():
+        for start in range(0, ids.shape[-1], window):
+            chunk = ids[:, start : start + window]  # (1, ≤window)
+            if chunk.shape[-1] > 1:
+                nll.append(_nll(model(chunk).logits, chunk))
+    return float(torch.cat(nll).mean().exp())
 
 
 def compare_models(ref_model, mla_model, ids: torch.Tensor, window: int = 1024) -> dict:

@@ -1,0 +1,127 @@
+"""Perplexity vs KV-cache size of compressed (rank-reduced) conversions of SmolLM2-135M.
+
+Calibrates on one Austen novel and evaluates on another (disjoint texts; nothing
+is tuned on the evaluation text). For each method × layout × cache ratio the
+conversion runs through the public API (`convert.convert_state_dict`, the same
+code as `convert gqa2mla --kv-cache-ratio R --method M --calib FILE`), and the
+converted model's perplexity is compared with the original's.
+
+    python bench/compression.py                       # full table (~15 min on 2 cores)
+    python bench/compression.py --ratios 0.5 --methods aware --layouts factored
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "fixtures"))
+
+import realdata  # noqa: E402
+
+import convert  # noqa: E402
+from convert.mla.model import build_mla_model  # noqa: E402
+from convert.verify.e2e import perplexity  # noqa: E402
+
+TARGETS = {0.75: 1.04, 0.5: 1.15, 0.25: 1.45}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--calib-book", default="prideprejudice")
+    p.add_argument("--eval-book", default="emma")
+    p.add_argument("--calib-tokens", type=int, default=4096)
+    p.add_argument("--eval-tokens", type=int, default=4096)
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--ratios", default="1,0.75,0.5,0.25")
+    p.add_argument("--methods", default="svd,whitened,aware,fisher")
+    p.add_argument("--layouts", default="factored,absorbed")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "compression.json")
+    return p.parse_args(argv)
+
+
+def token_ids(tokenizer, book: str, n: int) -> torch.Tensor:
+    ids = tokenizer(realdata.austen_text(book))["input_ids"][:n]
+    return torch.tensor(ids)[None]
+
+
+def run_one(model, calib_ids, eval_ids, window, method, layout, ratio) -> dict:
+    t0 = time.perf_counter()
+    options = dict(layout=layout, kv_cache_ratio=ratio if ratio < 1 else None)
+    if ratio < 1:
+        options |= dict(method=method, calib=calib_ids if method != "svd" else None, calib_tokens=calib_ids.shape[-1])
+    state = convert.convert_state_dict(model.state_dict(), model.config, **options)
+    convert_s = time.perf_counter() - t0
+    mla_model = build_mla_model(state.config, dict(state), torch.float32)
+    ppl = perplexity(mla_model, eval_ids, window)
+    comp = state.config["mla"]["compression"] or {}
+    return {
+        "method": method if ratio < 1 else "exact",
+        "layout": layout,
+        "ratio": ratio,
+        "cache_dims": comp.get("cache_dims", sum(l["rank_k"] + l["rank_v"] for l in state.config["mla"]["layers"])),
+        "achieved_ratio": comp.get("achieved_ratio", 1.0),
+        "ranks_k": [l["rank_k"] for l in state.config["mla"]["layers"]],
+        "ranks_v": [l["rank_v"] for l in state.config["mla"]["layers"]],
+        "ppl": ppl,
+        "convert_s": convert_s,
+    }
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = realdata.smollm2_dir()
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    calib_ids = token_ids(tokenizer, args.calib_book, args.calib_tokens)
+    eval_ids = token_ids(tokenizer, args.eval_book, args.eval_tokens)
+    base = perplexity(model, eval_ids, args.window)
+    print(f"original perplexity on {args.eval_book} ({eval_ids.shape[-1]} tokens): {base:.4f}", flush=True)
+    rows = []
+    ratios = [float(r) for r in args.ratios.split(",")]
+    for layout in args.layouts.split(","):
+        for ratio in ratios:
+            for method in args.methods.split(",") if ratio < 1 else ["exact"]:
+                row = run_one(model, calib_ids, eval_ids, args.window, method, layout, ratio)
+                row["ppl_ratio"] = row["ppl"] / base
+                row["target"] = TARGETS.get(ratio)
+                rows.append(row)
+                print(f"{layout:9s} {ratio:5.2f} {row['method']:9s} cache {row['achieved_ratio']:.4f} "
+                      f"ppl {row['ppl']:9.3f} ×{row['ppl_ratio']:.3f} ({row['convert_s']:.0f}s)", flush=True)
+    result = {
+        "original_ppl": base,
+        "calib": {"book": args.calib_book, "tokens": calib_ids.shape[-1]},
+        "eval": {"book": args.eval_book, "tokens": eval_ids.shape[-1], "window": args.window},
+        "rows": rows,
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
+        "command": " ".join([sys.executable, *sys.argv]),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(markdown(result))
+
+
+def markdown(result: dict) -> str:
+    rows = result["rows"]
+    ratios = sorted({r["ratio"] for r in rows}, reverse=True)
+    lines = ["| layout | method | " + " | ".join(f"{r:.0%} cache" for r in ratios) + " |", "|---|---|" + "---:|" * len(ratios)]
+    for layout in dict.fromkeys(r["layout"] for r in rows):
+        for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "exact"):
+            cells = []
+            for ratio in ratios:
+                hit = [r for r in rows if r["layout"] == layout and r["ratio"] == ratio and r["method"] in (method, "exact")]
+                cells.append(f"{hit[0]['ppl']:.2f} (×{hit[0]['ppl_ratio']:.3f})" if hit else "")
+            lines.append(f"| {layout} | {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
