@@ -164,10 +164,14 @@ def _calibration(source, spec: AttentionSpec, opts: ConvertOptions):
         ids = text_token_ids(Path(opts.calib), root, config["vocab_size"], opts.calib_tokens, what="--calib")
     ids = ids[:, : opts.calib_tokens]
     if opts.resolved_method == "fisher":
-        progress = (lambda it: tqdm(it, desc="calibrating (Fisher)", unit="window")) if opts.progress else iter
+        progress = _bar("calibrating (Fisher)", "window", opts.progress)
         return compress.fisher_calibrate(_whole_model(source, config), ids, progress=progress)
-    progress = (lambda it: tqdm(it, desc="calibrating", unit="layer")) if opts.progress else iter
-    return compress.calibrate(source, config, ids, spec.n_layers, progress=progress)
+    return compress.calibrate(source, config, ids, spec.n_layers, progress=_bar("calibrating", "layer", opts.progress))
+
+
+def _bar(desc: str, unit: str, progress: bool):
+    """A progress bar over an iterable, shown on a terminal only (and never when quiet)."""
+    return lambda items: tqdm(items, desc=desc, unit=unit, disable=None if progress else True)
 
 
 def _whole_model(source, config: dict):
@@ -265,8 +269,7 @@ def _numel(shape) -> int:
 def _convert_layers(source, spec, opts, plans, stats, sink, dtype, progress: bool) -> list[LayerInfo]:
     """Convert layer by layer, handing each output tensor (cast to `dtype`) to `sink`."""
     infos = []
-    bar = tqdm(range(spec.n_layers), desc="converting", unit="layer", disable=None if progress else True)
-    for layer in bar:
+    for layer in _bar("converting", "layer", progress)(range(spec.n_layers)):
         weights = read_layer(source, spec, layer)
         weighting = _weighting(weights, spec, opts, stats, layer)
         tensors, info = convert_layer(weights, spec, opts.latent, opts.layout, plans[layer]["ranks"], weighting)

@@ -85,3 +85,25 @@ def test_convert_verify_passes_on_real_text(converted, smollm2, tmp_path):
     report = json.loads((tmp_path / "verification.json").read_text())
     assert report["verdict"] == "PASS" and len(report["layers"]) == 30
     assert report["inputs"]["text"]["tokens"] == 256
+
+
+def test_fisher_compression_keeps_perplexity_at_half_the_cache(smollm2, original):
+    """Issue target at 50% of the GQA cache: perplexity ≤ 1.15× the original's, one-shot,
+    calibrated on Pride and Prejudice and evaluated on Emma (disjoint texts)."""
+    from transformers import AutoTokenizer
+
+    import realdata
+    from convert.mla.model import build_mla_model
+    from convert.verify.e2e import perplexity
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    calib = torch.tensor(tokenizer(realdata.austen_text("prideprejudice"))["input_ids"][:4096])[None]
+    emma = torch.tensor(tokenizer(realdata.austen_text("emma"))["input_ids"][:2048])[None]
+    state = convert.convert_state_dict(
+        original.state_dict(), original.config, layout="factored", kv_cache_ratio=0.5, calib=calib
+    )
+    comp = state.config["mla"]["compression"]
+    assert comp["method"] == "fisher" and comp["cache_dims"] == comp["budget_dims"] == comp["gqa_cache_dims"] // 2
+    ratio = perplexity(build_mla_model(state.config, dict(state)), emma) / perplexity(original, emma)
+    print(f"fisher 50% factored: perplexity ×{ratio:.4f}")
+    assert ratio <= 1.15
