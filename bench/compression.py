@@ -7,7 +7,7 @@ code as `convert gqa2mla --kv-cache-ratio R --method M --calib FILE`), and the
 converted model's perplexity is compared with the original's.
 
     python bench/compression.py                       # full table (~15 min on 2 cores)
-    python bench/compression.py --ratios 0.5 --methods aware --layouts factored
+    python bench/compression.py --ratios 0.5 --methods fisher --layouts factored
 """
 
 import argparse
@@ -40,7 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--ratios", default="1,0.75,0.5,0.25")
-    p.add_argument("--methods", default="svd,whitened,aware,fisher")
+    p.add_argument("--methods", default="svd,whitened,fisher")
     p.add_argument("--layouts", default="factored,absorbed")
     p.add_argument("--out", type=Path, default=HERE / "results" / "compression.json")
     return p.parse_args(argv)

@@ -9,7 +9,7 @@ LAYOUTS = ("absorbed", "factored")
 LATENTS = ("split", "joint")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
-METHODS = ("svd", "whitened", "aware", "fisher")
+METHODS = ("svd", "whitened", "fisher")
 ALLOCATIONS = ("uniform", "global")
 
 
@@ -23,9 +23,9 @@ class ConvertOptions:
       (split|joint), layout (absorbed|factored), rank (latent dims per latent;
       None = exact).
     Compression (below the exact rank, lossy): kv_cache_ratio (fraction of the
-      GQA cache to keep) or rank; method (svd|whitened|aware|fisher; default
+      GQA cache to keep) or rank; method (svd|whitened|fisher; default
       fisher with calib, else svd); allocation (uniform|global; default global
-      for aware and fisher); calib (a text file, or token ids (1, N) from the API), calib_tokens.
+      for fisher); calib (a text file, or token ids (1, N) from the API), calib_tokens.
     Output: max_shard_size (bytes or "5GB"), force (replace an existing output),
       progress (a progress bar on a terminal).
     Verification: verify, text (a text file; else random inputs), tokens,
@@ -78,7 +78,7 @@ class ConvertOptions:
 
     @property
     def resolved_allocation(self) -> str:
-        return self.allocation or ("global" if self.resolved_method in ("aware", "fisher") else "uniform")
+        return self.allocation or ("global" if self.resolved_method == "fisher" else "uniform")
 
     def _check_compression(self) -> None:
         if self.method is not None:

@@ -12,7 +12,7 @@ from convert.compress.allocate import Latent, allocate_global, budget_dims
 from convert.linalg.weighted import weighted_factor, weighted_rope_factor
 from make_tiny import tiny_hf_model
 
-METHODS = ["svd", "whitened", "aware", "fisher"]
+METHODS = ["svd", "whitened", "fisher"]
 PROSE = (
     "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
     "of a wife. However little known the feelings or views of such a man may be on his first entering a "

@@ -108,7 +108,7 @@ def resolve_attention(
 
     n_heads = _flag_or_config(config, "num_attention_heads", "--n-heads", n_heads)
     if n_heads is None:
-        raise ConvertError(f"the number of query heads is unknown (no config.json): pass --n-heads")
+        raise ConvertError("the number of query heads is unknown (no config.json): pass --n-heads")
     head_dim = _flag_or_config(config, "head_dim", "--head-dim", head_dim) or q_rows // n_heads
     n_kv_heads = _flag_or_config(config, "num_key_value_heads", "--n-kv-heads", n_kv_heads)
     n_kv_heads = n_kv_heads or k_rows // head_dim

@@ -5,8 +5,6 @@ conversion then factors each layer with `layer_weighting`'s weights at those
 ranks (see `convert.transform.factor_layer`).
 """
 
-import torch
-
 from convert.arch import AttentionSpec
 from convert.compress.allocate import Latent, allocate_global, budget_dims
 from convert.compress.calibrate import LayerStats, calibrate, fisher_calibrate

@@ -2,8 +2,6 @@
 
 - svd: nothing (plain weight SVD, the baseline);
 - whitened: the layer's input second moment M (activation-whitened SVD);
-- aware: M, and the rows weighted by what reads them — the queries for keys
-  (score error), W^O for values (output error);
 - fisher: M, and the rows weighted by the Fisher information of the key and
   value outputs, E[g gᵀ] with g = ∂loss/∂k (K-FAC): the weighted singular values
   are then in units of loss, comparable across layers, keys and values.
@@ -15,11 +13,10 @@ import torch
 
 from convert.arch import AttentionSpec
 from convert.compress.calibrate import LayerStats
-from convert.linalg.heads import group_of_head
 from convert.linalg.weighted import psd_sqrt
-from convert.transform import LayerWeights, with_bias
+from convert.transform import LayerWeights
 
-METHODS = ("svd", "whitened", "aware", "fisher")
+METHODS = ("svd", "whitened", "fisher")
 
 
 @dataclass
@@ -27,29 +24,10 @@ class Weighting:
     """Weights of one layer's key and value errors (None: unweighted)."""
 
     key_moment: torch.Tensor | None = None  # (X, X), X = D (+1 for an affine key latent)
-    key_rows: torch.Tensor | None = None  # (G·d, G·d) block-diagonal, real latents
+    key_rows: torch.Tensor | None = None  # (G·d, G·d), real latents
     key_pairs: torch.Tensor | None = None  # (G, d/2), per-frequency complex latents
     value_moment: torch.Tensor | None = None  # (D, D)
     value_rows: torch.Tensor | None = None  # (G·d, G·d)
-
-
-def _per_group(grams: torch.Tensor, n_kv_heads: int, head_map: str, n_heads: int) -> torch.Tensor:
-    """Sum per-head (H, d, d) Gram matrices over the heads of each group -> (G, d, d)."""
-    groups = group_of_head(n_heads, n_kv_heads, head_map)
-    return torch.zeros(n_kv_heads, *grams.shape[1:], dtype=grams.dtype).index_add_(0, groups, grams)
-
-
-def query_grams(w: LayerWeights, spec: AttentionSpec, stats: LayerStats) -> torch.Tensor:
-    """E[q_h q_hᵀ] summed over each group's query heads: (G, d, d)."""
-    q = with_bias(w.q, w.q_bias).reshape(spec.n_heads, spec.head_dim, -1)  # (H, d, X)
-    moment = stats.augmented() if w.q_bias is not None else stats.moment
-    return _per_group(q @ moment @ q.mT, spec.n_kv_heads, spec.head_map, spec.n_heads)  # (G, d, d)
-
-
-def output_grams(w: LayerWeights, spec: AttentionSpec) -> torch.Tensor:
-    """W^O_hᵀ W^O_h summed over each group's heads: (G, d, d)."""
-    o = w.o.double().reshape(-1, spec.n_heads, spec.head_dim).permute(1, 0, 2)  # (H, D, d)
-    return _per_group(o.mT @ o, spec.n_kv_heads, spec.head_map, spec.n_heads)
 
 
 def pair_rms(grams: torch.Tensor) -> torch.Tensor:
@@ -60,31 +38,15 @@ def pair_rms(grams: torch.Tensor) -> torch.Tensor:
     return ((diag[:, :half] + diag[:, half:]) / 2).clamp(min=0).sqrt()
 
 
-def _block_diag(blocks: torch.Tensor) -> torch.Tensor:
-    return torch.block_diag(*blocks)
-
-
 def layer_weighting(method: str, w: LayerWeights, spec: AttentionSpec, layout: str, stats: LayerStats | None) -> Weighting | None:
-    """The weighting of `method` for one layer (None for plain SVD)."""
+    """The weighting of `method` (svd, whitened, fisher) for one layer (None for plain SVD)."""
     if method == "svd":
         return None
     affine_key = spec.rope and w.k_bias is not None
     weighting = Weighting(key_moment=stats.augmented() if affine_key else stats.moment, value_moment=stats.moment)
     if method == "whitened":
         return weighting
-    if method == "fisher":
-        return _fisher_weighting(weighting, spec, layout, stats)
-    grams = query_grams(w, spec, stats)
-    if spec.rope:
-        pairs = pair_rms(grams)  # (G, d/2)
-        if layout == "absorbed":
-            weighting.key_pairs = pairs
-        else:
-            weighting.key_rows = torch.diag(torch.cat([pairs, pairs], dim=1).reshape(-1))
-    else:
-        weighting.key_rows = _block_diag(torch.stack([psd_sqrt(g) for g in grams]))
-    weighting.value_rows = _block_diag(torch.stack([psd_sqrt(g) for g in output_grams(w, spec)]))
-    return weighting
+    return _fisher_weighting(weighting, spec, layout, stats)
 
 
 def _ridge(m: torch.Tensor, rel: float = 1e-6) -> torch.Tensor:

@@ -7,7 +7,6 @@ Markdown and a PNG. DESIGN §8 is the contract.
 
 import hashlib
 import platform
-import sys
 import time
 from pathlib import Path
 

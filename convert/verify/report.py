@@ -87,7 +87,7 @@ def render_markdown(report: dict) -> str:
         lines.append(f"| {r['layer']} | {ranks} | {r['rel_error']:.2e} | {r['max_abs_error']:.2e} | {energy} |")
     lines += ["", "![per-layer error](verification_layers.png)", ""] if report.get("plot") else [""]
     lines += _e2e_lines(report)
-    lines += ["", f"Timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in report["timings"].items())]
+    lines += ["", "Timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in report["timings"].items())]
     return "\n".join(lines) + "\n"
 
 
@@ -108,7 +108,7 @@ def _e2e_lines(report: dict) -> list[str]:
         ("KL(original ‖ converted), mean / max", f"{e2e['kl_mean']:.3e} / {e2e['kl_max']:.3e}"),
         ("top-1 agreement", f"{e2e['top1_agreement']:.4%}"),
         ("perplexity original → converted", f"{e2e['ppl_original']:.6g} → {e2e['ppl_converted']:.6g} (×{e2e['ppl_ratio']:.6f})"),
-        (f"greedy tokens identical", "yes" if e2e["greedy_match"] else f"no: {e2e['greedy_original']} vs {e2e['greedy_converted']}"),
+        ("greedy tokens identical", "yes" if e2e["greedy_match"] else f"no: {e2e['greedy_original']} vs {e2e['greedy_converted']}"),
         ("KV cache bytes/token original → converted", f"{e2e['kv_cache_bytes_per_token_original']:.0f} → {e2e['kv_cache_bytes_per_token_converted']:.0f}"),
         ("parameters original → converted", f"{e2e['params_original']:,} → {e2e['params_converted']:,}"),
     ]
