@@ -4,6 +4,7 @@
     mla_sd = convert.convert_state_dict(model.state_dict(), model.config)
 """
 
+import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -147,7 +148,7 @@ def _plan_layers(source, spec: AttentionSpec, opts: ConvertOptions, stats=None) 
         if requested is not None:
             ranks = _checked(requested[layer], exact, layer, spec, opts)
         shapes = output_shapes(spec, ranks, opts.layout, _biases(source, spec, layer))
-        plans.append({"ranks": ranks, "shapes": shapes, "exact_ranks": exact})
+        plans.append({"ranks": ranks, "shapes": shapes})
     return plans
 
 
@@ -239,8 +240,8 @@ def _cache_dims(ranks: dict[str, int]) -> int:
 
 def _sizes(source, spec: AttentionSpec, plans: list[dict], dtype: torch.dtype) -> dict:
     itemsize = torch.empty((), dtype=dtype).element_size()
-    before = sum(_numel(source.shape(n)) for layer in range(spec.n_layers) for n in attention_names(source, spec, layer))
-    after = sum(_numel(s) for plan in plans for s in plan["shapes"].values())
+    before = sum(math.prod(source.shape(n)) for layer in range(spec.n_layers) for n in attention_names(source, spec, layer))
+    after = sum(math.prod(s) for plan in plans for s in plan["shapes"].values())
     gqa_dims = spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim
     mla_dims = sum(_cache_dims(plan["ranks"]) for plan in plans)
     return {
@@ -254,13 +255,6 @@ def _sizes(source, spec: AttentionSpec, plans: list[dict], dtype: torch.dtype) -
         "kv_cache_bytes_per_token_after": mla_dims * itemsize,
         "dtype": str(dtype).removeprefix("torch."),
     }
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 # ------------------------------------------------------------------ converting
