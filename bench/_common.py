@@ -1,0 +1,247 @@
+"""Shared helpers of the benchmark scripts: the machine, medians, tables, JSON.
+
+Not a benchmark itself. Each script in bench/ imports it as `_common` (the
+scripts put their own directory on sys.path).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+FIXTURES = REPO / "fixtures"
+RESULTS = BENCH / "results"
+
+if str(FIXTURES) not in sys.path:
+    sys.path.insert(0, str(FIXTURES))
+
+
+def smollm2_dir() -> Path:
+    """The cached float32 SmolLM2-135M-Instruct directory (fixtures/realdata.py)."""
+    import realdata
+
+    return Path(realdata.smollm2_dir())
+
+
+def austen_file(book: str = "emma") -> Path:
+    """A UTF-8 text file with one of Austen's novels, written once into the results dir."""
+    import realdata
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"austen-{book}.txt.tmp"  # *.tmp is git-ignored
+    if not path.is_file():
+        path.write_text(realdata.austen_text(book), encoding="utf-8")
+    return path
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def load_average() -> tuple[float, float, float] | None:
+    try:
+        return os.getloadavg()
+    except OSError:
+        return None
+
+
+def wait_quiet(max_load: float, max_wait_s: float) -> dict:
+    """Wait (up to max_wait_s) until the 1-minute load average is below max_load.
+
+    Returns what was seen; the run goes on either way (the JSON says whether it was quiet).
+    """
+    start = time.time()
+    load = load_average()
+    while load is not None and load[0] >= max_load and time.time() - start < max_wait_s:
+        print(f"[bench] load average {load[0]:.2f} >= {max_load}; waiting ...", file=sys.stderr, flush=True)
+        time.sleep(15)
+        load = load_average()
+    return {
+        "load_average_at_start": load,
+        "quiet": load is None or load[0] < max_load,
+        "max_load": max_load,
+        "waited_s": round(time.time() - start, 1),
+    }
+
+
+class Contention:
+    """CPU time used by *other* processes while a benchmark runs.
+
+    /proc/stat's busy time of the whole machine minus this process's (and its
+    waited-for children's) own CPU time, over the wall time: 0 on a quiet
+    machine, ~1 when another process keeps one core busy. The load average
+    cannot tell this apart from the benchmark's own threads.
+    """
+
+    def __init__(self):
+        self.start = self._snapshot()
+
+    @staticmethod
+    def _busy_s() -> float | None:
+        try:
+            fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        except OSError:
+            return None
+        user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+        return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _own_s() -> float:
+        import resource
+
+        total = 0.0
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+            r = resource.getrusage(who)
+            total += r.ru_utime + r.ru_stime
+        return total
+
+    def _snapshot(self):
+        return time.perf_counter(), self._busy_s(), self._own_s()
+
+    def report(self) -> dict:
+        t1, busy1, own1 = self._snapshot()
+        t0, busy0, own0 = self.start
+        if busy0 is None or busy1 is None:
+            return {"other_cpu_cores": None}
+        wall = t1 - t0
+        other = max(0.0, (busy1 - busy0) - (own1 - own0))
+        return {"wall_s": round(wall, 1), "own_cpu_s": round(own1 - own0, 1), "other_cpu_s": round(other, 1),
+                "other_cpu_cores": round(other / wall, 3) if wall > 0 else None, "load_average_at_end": load_average()}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _mem_total_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def machine(device: str = "cpu") -> dict:
+    import torch
+
+    info = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": _mem_total_gib(),
+        "torch": torch.__version__,
+        "device": device,
+        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS")},
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        import safetensors
+
+        info["safetensors"] = safetensors.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    try:
+        info["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "convert"], cwd=REPO, capture_output=True, text=True)
+        info["convert_dirty"] = bool(dirty.stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return info
+
+
+def command_line() -> str:
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+
+
+def header(name: str, device: str, quiet: dict) -> dict:
+    return {
+        "benchmark": name,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command_line(),
+        "machine": machine(device),
+        "load": quiet,
+    }
+
+
+def write_json(path: Path, data: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=_default) + "\n")
+    print(f"\nwrote {path}")
+
+
+def _default(obj):
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    raise TypeError(f"not JSON serializable: {type(obj)}")
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A Markdown table."""
+    cells = [[_cell(c) for c in row] for row in rows]
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(out)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        if abs(value) >= 100:
+            return f"{value:.0f}"
+        if abs(value) >= 1:
+            return f"{value:.2f}"
+        if abs(value) >= 1e-3:
+            return f"{value:.3f}"
+        return f"{value:.2e}"
+    return str(value)
+
+
+def rotate(items: list, k: int) -> list:
+    """items rotated by k: interleaved variants change position from repeat to repeat."""
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+def add_common_args(parser, name: str, repeat: int = 5) -> None:
+    parser.add_argument("--repeat", type=int, default=repeat, help=f"repeats (default {repeat})")
+    parser.add_argument("--out", type=Path, default=RESULTS / f"{name}.json", help=f"JSON output (default bench/results/{name}.json)")
+    parser.add_argument("--max-load", type=float, default=1.0, help="wait for a 1-minute load average below this (default 1.0)")
+    parser.add_argument("--wait", type=float, default=0.0, help="seconds to wait for a quiet machine before starting anyway (default 0)")
