@@ -58,9 +58,16 @@ def real_factor(weight: torch.Tensor, rank: int | None = None) -> Factor:
     Part 9 (`W^{DKV} = diag(σ) Vᵀ`, `W^{UM} = U`).
     """
     w = weight.double()
-    u, s, vh = torch.linalg.svd(w, full_matrices=False)  # u (m,k) s (k,) vh (k,X)
     r = exact_rank(*w.shape) if rank is None else rank
-    return Factor(up=u[:, :r], down=s[:r, None] * vh[:r], singular_values=s, kept=s[:r])
+    if w.shape[0] > w.shape[1]:  # tall: the Gram trick below would square a bigger matrix
+        u, s, vh = torch.linalg.svd(w, full_matrices=False)  # u (m,k) s (k,) vh (k,X)
+        return Factor(up=u[:, :r], down=s[:r, None] * vh[:r], singular_values=s, kept=s[:r])
+    # Wide (G·d ≤ D, every real K/V projection): U from the eigenvectors of the small
+    # (m × m) Gram matrix W Wᵀ = U S² Uᵀ, then down = Uᵀ W (= S Vᵀ) — several times
+    # faster than a full SVD, and exact at full rank because U is an orthonormal basis.
+    vals, vecs = torch.linalg.eigh(w @ w.T)  # ascending
+    u, s = vecs.flip(-1), vals.flip(0).clamp(min=0).sqrt()  # descending
+    return Factor(up=u[:, :r], down=u[:, :r].T @ w, singular_values=s, kept=s[:r])
 
 
 def joint_factor(key: torch.Tensor, value: torch.Tensor, rank: int | None = None) -> tuple[Factor, Factor]:
