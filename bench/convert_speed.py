@@ -216,7 +216,7 @@ def main(argv=None) -> int:
 
     import convert
 
-    quiet = C.wait_quiet(args.max_load, args.wait)
+    quiet = C.wait_quiet(args.max_load, args.wait, args.max_busy)
     whole_run = C.Contention()
     src = args.src or C.smollm2_dir()
     src_file = src / "model.safetensors"
@@ -349,6 +349,8 @@ def main(argv=None) -> int:
                 print(f"\n### cProfile, {p['layout']} ({p['wall_s']:.2f} s under the profiler), by tottime\n")
                 print("```\n" + "\n".join(p["by_tottime"].splitlines()[:40]) + "\n```")
 
+        run = whole_run.report()
+        print("\n" + C.contention_line(run))
         data = C.header("convert_speed", "cpu", quiet)
         data.update({
             "source": str(src_file),
@@ -358,7 +360,7 @@ def main(argv=None) -> int:
             else "warm (source read once before timing)",
             "source_resident_fraction_before_step": resident,
             "contention_per_repeat": contention,
-            "contention": whole_run.report(),
+            "contention": run,
             "repeat": args.repeat,
             "samples_s": samples,
             "fsync_samples_s": fsyncs,

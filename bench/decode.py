@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.synchronize(device)
 
-    quiet = C.wait_quiet(args.max_load, args.wait)
+    quiet = C.wait_quiet(args.max_load, args.wait, args.max_busy)
     whole_run = C.Contention()
     src = C.smollm2_dir()
     hf_logging.disable_progress_bar()
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     print(C.table(["context", "variant", "ms / token", "time / gqa-sdpa", "KV bytes / token", "KV / gqa-sdpa",
                    "rel. err vs gqa-sdpa"], rows))
     run = whole_run.report()
-    print(f"\nother processes used {run['other_cpu_cores']} cores on average during the run")
+    print("\n" + C.contention_line(run))
 
     data = C.header("decode", str(device), quiet)
     data.update({

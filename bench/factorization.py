@@ -9,8 +9,10 @@ every query head (H·d × r, r = G·d) and the down factor (r × D):
                (full_matrices=False), keep r: U[:, :r], diag(S[:r]) Vᵀ[:r]
   seed-numpy   the seed's Part 10 literally: W̃ built in numpy, np.linalg.svd(W̃)
                (full_matrices=True, numpy's default), the same slicing
-  real_factor  ours: convert.linalg.real_factor on the G·d × D matrix, then
-               expand_groups of the up factor (rows per query head)
+  real_factor  ours: convert.linalg.real_factor on the G·d × D matrix (since
+               commit 541da1b an eigendecomposition of the G·d × G·d Gram
+               matrix W Wᵀ, before it a reduced SVD), then expand_groups of the
+               up factor (rows per query head)
   rope_factor  ours, keys of the absorbed layout: the per-frequency complex
                latent (convert.linalg.rope_factor), then expand_groups
 
@@ -19,7 +21,10 @@ H/G copies" is the tiled map, a row permutation of the same cost. Timed: from
 the float32 weight to both factors. Each repeat runs every layer, and per
 layer every method in an order that rotates (interleaved). Reconstruction:
 max |up·down − W̃| per method and the max difference between the seed's and
-our reconstructions, all in float64.
+our reconstructions, all in float64. For real_factor also: its singular
+values against torch.linalg.svdvals (max relative difference) and, truncated
+to r/2, its Frobenius error over the optimal (Eckart–Young) one, since a Gram
+matrix squares the condition number.
 
     python bench/factorization.py [--repeat 5]
 """
@@ -47,7 +52,7 @@ def main(argv=None) -> int:
 
     from convert.linalg import expand_groups, real_factor, rope_factor, tile_rows
 
-    quiet = C.wait_quiet(args.max_load, args.wait)
+    quiet = C.wait_quiet(args.max_load, args.wait, args.max_busy)
     whole_run = C.Contention()
     src = C.smollm2_dir()
     import json
@@ -114,6 +119,20 @@ def main(argv=None) -> int:
                 "weight_max_abs": max(float(weights[(i, p)].abs().max()) for i in range(n_layers)),
             }
 
+    # real_factor against the SVD: singular values, and truncation to r/2.
+    spectrum = {}
+    for p in methods:
+        worst_s, worst_trunc = 0.0, 0.0
+        for i in range(n_layers):
+            w = weights[(i, p)].double()
+            exact_s = torch.linalg.svdvals(w)
+            f = real_factor(weights[(i, p)])
+            worst_s = max(worst_s, float(((f.singular_values[: exact_s.numel()] - exact_s).abs() / exact_s).max()))
+            half = real_factor(weights[(i, p)], r // 2)
+            optimal = float(exact_s[r // 2 :].square().sum().sqrt())
+            worst_trunc = max(worst_trunc, float((half.up @ half.down - w).norm()) / optimal)
+        spectrum[p] = {"max_rel_singular_value_diff": worst_s, "max_truncated_error_over_optimal_at_r_half": worst_trunc}
+
     # Warm-up (untimed): first calls pay for lazy LAPACK/BLAS initialisation.
     for p, ms in methods.items():
         for fn in ms.values():
@@ -158,8 +177,11 @@ def main(argv=None) -> int:
           f"float64; {n_layers} layers, medians of {args.repeat})\n")
     print(C.table(["proj", "method", "ms / layer", f"all {n_layers} layers s", "seed-torch / this", "seed-numpy / this",
                    "max abs(up·down − W̃)", "max abs(rec − rec of seed-torch)"], rows))
+    for p, sp in spectrum.items():
+        print(f"\n{p}_proj real_factor vs SVD: singular values max rel. diff {sp['max_rel_singular_value_diff']:.2e}; "
+              f"truncated to r/2 = {r // 2}: error / optimal error ≤ {sp['max_truncated_error_over_optimal_at_r_half']:.12f}")
     run = whole_run.report()
-    print(f"\nother processes used {run['other_cpu_cores']} cores on average during the run")
+    print("\n" + C.contention_line(run))
 
     data = C.header("factorization", "cpu", quiet)
     data.update({
@@ -169,6 +191,7 @@ def main(argv=None) -> int:
         "per_layer_median_s": per_layer,
         "summary": summary,
         "reconstruction": recon,
+        "real_factor_vs_svd": spectrum,
         "numpy": np.__version__,
         "contention_per_repeat": contention,
         "contention": run,

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     from convert.verify import resolve_device, verify_paths
 
     device = str(resolve_device(args.device))
-    quiet = C.wait_quiet(args.max_load, args.wait)
+    quiet = C.wait_quiet(args.max_load, args.wait, args.max_busy)
     whole_run = C.Contention()
     src = C.smollm2_dir()
     text = args.text or C.austen_file("emma")
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         print(C.table(["tokens", "dtype", "per layer ms", f"all {n_layers} layers s", "end to end s", "other s", "total s",
                        "verdict", "max layer rel err", "logits rel err"], rows))
         run = whole_run.report()
-        print(f"\nother processes used {run['other_cpu_cores']} cores on average during the run")
+        print("\n" + C.contention_line(run))
 
         data = C.header("verify_time", device, quiet)
         data.update({
