@@ -82,7 +82,9 @@ def wait_quiet(max_load: float, max_wait_s: float, max_busy: float = 0.15) -> di
         print(f"[bench] other processes keep {busy:.2f} cores busy; waiting ...", file=sys.stderr, flush=True)
         time.sleep(10)
     if not quiet:
-        print(f"[bench] WARNING: the machine is not quiet ({busy:.2f} cores busy); timings will be noisy", file=sys.stderr)
+        print(
+            f"[bench] WARNING: the machine is not quiet ({busy:.2f} cores busy); timings will be noisy", file=sys.stderr
+        )
     return {
         "busy_cores_before_start": None if busy is None else round(busy, 3),
         "max_busy": max_busy,
@@ -134,8 +136,13 @@ class Contention:
             return {"other_cpu_cores": None}
         wall = t1 - t0
         other = max(0.0, (busy1 - busy0) - (own1 - own0))
-        return {"wall_s": round(wall, 1), "own_cpu_s": round(own1 - own0, 1), "other_cpu_s": round(other, 1),
-                "other_cpu_cores": round(other / wall, 3) if wall > 0 else None, "load_average_at_end": load_average()}
+        return {
+            "wall_s": round(wall, 1),
+            "own_cpu_s": round(own1 - own0, 1),
+            "other_cpu_s": round(other, 1),
+            "other_cpu_cores": round(other / wall, 3) if wall > 0 else None,
+            "load_average_at_end": load_average(),
+        }
 
 
 def contention_line(report: dict, limit: float = 0.1) -> str:
@@ -180,7 +187,9 @@ def machine(device: str = "cpu") -> dict:
         "memory_gib": _mem_total_gib(),
         "torch": torch.__version__,
         "device": device,
-        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS")},
+        "env": {
+            k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS")
+        },
     }
     try:
         import transformers
@@ -269,9 +278,21 @@ def rotate(items: list, k: int) -> list:
 
 def add_common_args(parser, name: str, repeat: int = 5) -> None:
     parser.add_argument("--repeat", type=int, default=repeat, help=f"repeats (default {repeat})")
-    parser.add_argument("--out", type=Path, default=RESULTS / f"{name}.json", help=f"JSON output (default bench/results/{name}.json)")
-    parser.add_argument("--max-busy", type=float, default=0.15,
-                        help="quiet = the machine's CPU use over 5 s below this many cores (default 0.15)")
-    parser.add_argument("--max-load", type=float, default=1.0, help="recorded with the 1-minute load average (default 1.0)")
-    parser.add_argument("--wait", type=float, default=600.0,
-                        help="seconds to wait for a quiet machine before starting anyway (default 600)")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS / f"{name}.json", help=f"JSON output (default bench/results/{name}.json)"
+    )
+    parser.add_argument(
+        "--max-busy",
+        type=float,
+        default=0.15,
+        help="quiet = the machine's CPU use over 5 s below this many cores (default 0.15)",
+    )
+    parser.add_argument(
+        "--max-load", type=float, default=1.0, help="recorded with the 1-minute load average (default 1.0)"
+    )
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=600.0,
+        help="seconds to wait for a quiet machine before starting anyway (default 600)",
+    )

@@ -94,8 +94,11 @@ def main(argv=None):
                 row["ppl_ratio"] = row["ppl"] / base
                 row["target"] = TARGETS.get(ratio)
                 rows.append(row)
-                print(f"{layout:9s} {ratio:5.2f} {row['method']:9s} cache {row['achieved_ratio']:.4f} "
-                      f"ppl {row['ppl']:9.3f} ×{row['ppl_ratio']:.3f} ({row['convert_s']:.0f}s)", flush=True)
+                print(
+                    f"{layout:9s} {ratio:5.2f} {row['method']:9s} cache {row['achieved_ratio']:.4f} "
+                    f"ppl {row['ppl']:9.3f} ×{row['ppl_ratio']:.3f} ({row['convert_s']:.0f}s)",
+                    flush=True,
+                )
     result = {
         "original_ppl": base,
         "calib": {"book": args.calib_book, "tokens": calib_ids.shape[-1]},
@@ -112,12 +115,19 @@ def main(argv=None):
 def markdown(result: dict) -> str:
     rows = result["rows"]
     ratios = sorted({r["ratio"] for r in rows}, reverse=True)
-    lines = ["| layout | method | " + " | ".join(f"{r:.0%} cache" for r in ratios) + " |", "|---|---|" + "---:|" * len(ratios)]
+    lines = [
+        "| layout | method | " + " | ".join(f"{r:.0%} cache" for r in ratios) + " |",
+        "|---|---|" + "---:|" * len(ratios),
+    ]
     for layout in dict.fromkeys(r["layout"] for r in rows):
         for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "exact"):
             cells = []
             for ratio in ratios:
-                hit = [r for r in rows if r["layout"] == layout and r["ratio"] == ratio and r["method"] in (method, "exact")]
+                hit = [
+                    r
+                    for r in rows
+                    if r["layout"] == layout and r["ratio"] == ratio and r["method"] in (method, "exact")
+                ]
                 cells.append(f"{hit[0]['ppl']:.2f} (×{hit[0]['ppl_ratio']:.3f})" if hit else "")
             lines.append(f"| {layout} | {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -195,7 +195,13 @@ def profile_conversion(src: Path, out: Path, layout: str, top: int = 25) -> dict
         pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
         texts[key] = buf.getvalue()
     remove(out)
-    return {"layout": layout, "wall_s": wall, "timings": result.timings, "by_tottime": texts["tottime"], "by_cumulative": texts["cumulative"]}
+    return {
+        "layout": layout,
+        "wall_s": wall,
+        "timings": result.timings,
+        "by_tottime": texts["tottime"],
+        "by_cumulative": texts["cumulative"],
+    }
 
 
 # ------------------------------------------------------------------ main
@@ -204,9 +210,15 @@ def profile_conversion(src: Path, out: Path, layout: str, top: int = 25) -> dict
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     C.add_common_args(parser, "convert_speed")
-    parser.add_argument("--src", type=Path, default=None, help="checkpoint directory (default: the cached SmolLM2-135M)")
-    parser.add_argument("--workdir", type=Path, default=None, help="scratch directory for outputs (default: a new dir in $TMPDIR)")
-    parser.add_argument("--cold", action="store_true", help="evict the source from the page cache before each read/convert step")
+    parser.add_argument(
+        "--src", type=Path, default=None, help="checkpoint directory (default: the cached SmolLM2-135M)"
+    )
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="scratch directory for outputs (default: a new dir in $TMPDIR)"
+    )
+    parser.add_argument(
+        "--cold", action="store_true", help="evict the source from the page cache before each read/convert step"
+    )
     parser.add_argument("--profile", action="store_true", help="also cProfile one absorbed and one factored conversion")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
     args = parser.parse_args(argv)
@@ -273,8 +285,12 @@ def main(argv=None) -> int:
                     phases[layout].append(result.timings)
                 remove(dest)
             contention.append(watch.report())
-            print(f"repeat {rep + 1}/{args.repeat}: " + ", ".join(f"{s} {samples[s][-1]:.2f}s" for s in steps)
-                  + f"; other processes used {contention[-1]['other_cpu_cores']} cores", flush=True)
+            print(
+                f"repeat {rep + 1}/{args.repeat}: "
+                + ", ".join(f"{s} {samples[s][-1]:.2f}s" for s in steps)
+                + f"; other processes used {contention[-1]['other_cpu_cores']} cores",
+                flush=True,
+            )
 
         med = {s: C.median(v) for s, v in samples.items()}
         rows, summary = [], {}
@@ -296,13 +312,42 @@ def main(argv=None) -> int:
                 "phases_median": {k: C.median([p.get(k) for p in phases[layout]]) for k in phases[layout][0]},
             }
             s = summary[layout]
-            rows.append([layout, f"{output_bytes[layout] / 1e6:.0f}", s["convert_s"], s["read_s"], s["write_s"], s["fsync_s"],
-                         s["floor_s"], s["ratio_to_floor"], s["floor_fsync_s"], s["ratio_to_floor_fsync"]])
+            rows.append(
+                [
+                    layout,
+                    f"{output_bytes[layout] / 1e6:.0f}",
+                    s["convert_s"],
+                    s["read_s"],
+                    s["write_s"],
+                    s["fsync_s"],
+                    s["floor_s"],
+                    s["ratio_to_floor"],
+                    s["floor_fsync_s"],
+                    s["ratio_to_floor_fsync"],
+                ]
+            )
 
-        print(f"\n### Conversion time vs I/O floor (SmolLM2-135M float32, {src_bytes / 1e6:.0f} MB; "
-              f"source {'cold' if args.cold else 'warm'} in page cache; medians of {args.repeat})\n")
-        print(C.table(["layout", "output MB", "convert s", "read s", "write s", "fsync s", "floor s", "convert / floor",
-                       "floor+fsync s", "convert / (floor+fsync)"], rows))
+        print(
+            f"\n### Conversion time vs I/O floor (SmolLM2-135M float32, {src_bytes / 1e6:.0f} MB; "
+            f"source {'cold' if args.cold else 'warm'} in page cache; medians of {args.repeat})\n"
+        )
+        print(
+            C.table(
+                [
+                    "layout",
+                    "output MB",
+                    "convert s",
+                    "read s",
+                    "write s",
+                    "fsync s",
+                    "floor s",
+                    "convert / floor",
+                    "floor+fsync s",
+                    "convert / (floor+fsync)",
+                ],
+                rows,
+            )
+        )
         print("\n(ratios: median over repeats of the per-repeat ratio)")
         for layout in LAYOUTS:
             p = summary[layout]["phases_median"]
@@ -317,7 +362,9 @@ def main(argv=None) -> int:
                     if args.cold:
                         evict(src_file)
                     mode = "import" if what == "baseline" else "convert"
-                    rss[what].append(run_child(mode, src, work / f"rss-{what}", what if what in LAYOUTS else "absorbed"))
+                    rss[what].append(
+                        run_child(mode, src, work / f"rss-{what}", what if what in LAYOUTS else "absorbed")
+                    )
             peak = {w: C.median([r["vm_hwm_kib"] for r in v]) * 1024 for w, v in rss.items()}
             gnu = {w: C.median([r["gnu_time_maxrss_kib"] for r in v]) for w, v in rss.items()}
             gnu = {w: None if v is None else v * 1024 for w, v in gnu.items()}
@@ -326,12 +373,36 @@ def main(argv=None) -> int:
             rows = []
             for w in ["baseline", *LAYOUTS]:
                 above = peak[w] - peak["baseline"]
-                rows.append([w if w == "baseline" else f"convert {w}", f"{peak[w] / 1e6:.0f}",
-                             "–" if gnu[w] is None else f"{gnu[w] / 1e6:.0f}", f"{above / 1e6:.0f}",
-                             f"{anon[w] / 1e6:.0f}", f"{filep[w] / 1e6:.0f}", peak[w] / src_bytes, above / src_bytes])
-            print(f"\n### Peak RSS (fresh subprocess, medians of {args.repeat}; checkpoint {src_bytes / 1e6:.0f} MB on disk)\n")
-            print(C.table(["process", "peak RSS MB (VmHWM)", "GNU time %M MB", "above baseline MB", "peak anon MB", "peak file-backed MB",
-                           "peak / checkpoint", "(peak − baseline) / checkpoint"], rows))
+                rows.append(
+                    [
+                        w if w == "baseline" else f"convert {w}",
+                        f"{peak[w] / 1e6:.0f}",
+                        "–" if gnu[w] is None else f"{gnu[w] / 1e6:.0f}",
+                        f"{above / 1e6:.0f}",
+                        f"{anon[w] / 1e6:.0f}",
+                        f"{filep[w] / 1e6:.0f}",
+                        peak[w] / src_bytes,
+                        above / src_bytes,
+                    ]
+                )
+            print(
+                f"\n### Peak RSS (fresh subprocess, medians of {args.repeat}; checkpoint {src_bytes / 1e6:.0f} MB on disk)\n"
+            )
+            print(
+                C.table(
+                    [
+                        "process",
+                        "peak RSS MB (VmHWM)",
+                        "GNU time %M MB",
+                        "above baseline MB",
+                        "peak anon MB",
+                        "peak file-backed MB",
+                        "peak / checkpoint",
+                        "(peak − baseline) / checkpoint",
+                    ],
+                    rows,
+                )
+            )
             summary["rss"] = {
                 "checkpoint_bytes": src_bytes,
                 "peak_bytes": peak,
@@ -352,25 +423,28 @@ def main(argv=None) -> int:
         run = whole_run.report()
         print("\n" + C.contention_line(run))
         data = C.header("convert_speed", "cpu", quiet)
-        data.update({
-            "source": str(src_file),
-            "source_bytes": src_bytes,
-            "read_bytes": read_bytes,
-            "page_cache": "cold (posix_fadvise DONTNEED before each read/convert step)" if args.cold
-            else "warm (source read once before timing)",
-            "source_resident_fraction_before_step": resident,
-            "contention_per_repeat": contention,
-            "contention": run,
-            "repeat": args.repeat,
-            "samples_s": samples,
-            "fsync_samples_s": fsyncs,
-            "gqa2mla_timings": phases,
-            "medians_s": med,
-            "summary": summary,
-            "rss_samples": rss,
-            "profile": profile,
-            "torch_threads": torch.get_num_threads(),
-        })
+        data.update(
+            {
+                "source": str(src_file),
+                "source_bytes": src_bytes,
+                "read_bytes": read_bytes,
+                "page_cache": "cold (posix_fadvise DONTNEED before each read/convert step)"
+                if args.cold
+                else "warm (source read once before timing)",
+                "source_resident_fraction_before_step": resident,
+                "contention_per_repeat": contention,
+                "contention": run,
+                "repeat": args.repeat,
+                "samples_s": samples,
+                "fsync_samples_s": fsyncs,
+                "gqa2mla_timings": phases,
+                "medians_s": med,
+                "summary": summary,
+                "rss_samples": rss,
+                "profile": profile,
+                "torch_threads": torch.get_num_threads(),
+            }
+        )
         C.write_json(args.out, data)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -46,7 +46,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     C.add_common_args(parser, "decode")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant, context and repeat (default 20)")
+    parser.add_argument(
+        "--steps", type=int, default=20, help="timed steps per variant, context and repeat (default 20)"
+    )
     parser.add_argument("--layer", type=int, default=0, help="which layer (default 0)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -55,8 +57,8 @@ def main(argv=None) -> int:
 
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
-    from transformers.utils import logging as hf_logging
     from transformers.models.llama.modeling_llama import LlamaAttention
+    from transformers.utils import logging as hf_logging
 
     import convert
     from convert.mla import MLAAttention
@@ -148,9 +150,12 @@ def main(argv=None) -> int:
         for ctx in args.contexts:
             for v in variants:
                 caches[(ctx, v)] = prefill(v, ctx)
-                kv[f"{ctx}:{v}"] = {"bytes": cache_bytes(caches[(ctx, v)]), "per_token": cache_bytes(caches[(ctx, v)]) / ctx,
-                                    "keys_shape": list(caches[(ctx, v)].layers[i].keys.shape),
-                                    "values_shape": list(caches[(ctx, v)].layers[i].values.shape)}
+                kv[f"{ctx}:{v}"] = {
+                    "bytes": cache_bytes(caches[(ctx, v)]),
+                    "per_token": cache_bytes(caches[(ctx, v)]) / ctx,
+                    "keys_shape": list(caches[(ctx, v)].layers[i].keys.shape),
+                    "values_shape": list(caches[(ctx, v)].layers[i].values.shape),
+                }
             outs = {v: step(v, copy.deepcopy(caches[(ctx, v)]), ctx) for v in variants}
             ref = outs.get("gqa-sdpa", outs[variants[0]])
             check[ctx] = {v: float((o.double() - ref.double()).norm() / ref.double().norm()) for v, o in outs.items()}
@@ -173,10 +178,16 @@ def main(argv=None) -> int:
                         samples[f"{ctx}:{v}"].append(time.perf_counter() - t0)
                         del cache
             contention.append(watch.report())
-            print(f"repeat {rep + 1}/{args.repeat}: " + ", ".join(
-                f"{ctx}/{v} {C.median(samples[f'{ctx}:{v}'][-args.steps:]) * 1e3:.2f}ms"
-                for ctx in args.contexts for v in variants)
-                + f"; other processes used {contention[-1]['other_cpu_cores']} cores", flush=True)
+            print(
+                f"repeat {rep + 1}/{args.repeat}: "
+                + ", ".join(
+                    f"{ctx}/{v} {C.median(samples[f'{ctx}:{v}'][-args.steps :]) * 1e3:.2f}ms"
+                    for ctx in args.contexts
+                    for v in variants
+                )
+                + f"; other processes used {contention[-1]['other_cpu_cores']} cores",
+                flush=True,
+            )
 
     summary, rows = {}, []
     for ctx in args.contexts:
@@ -195,38 +206,66 @@ def main(argv=None) -> int:
                 "rel_error_vs_gqa_sdpa": check[ctx][v],
             }
             s = summary[key]
-            rows.append([ctx, v, med * 1e3, s["time_vs_gqa_sdpa"], f"{kv[key]['per_token']:.0f}", s["kv_vs_gqa_sdpa"], check[ctx][v]])
+            rows.append(
+                [
+                    ctx,
+                    v,
+                    med * 1e3,
+                    s["time_vs_gqa_sdpa"],
+                    f"{kv[key]['per_token']:.0f}",
+                    s["kv_vs_gqa_sdpa"],
+                    check[ctx][v],
+                ]
+            )
 
     where = torch.cuda.get_device_name(device) if cuda else f"CPU, {torch.get_num_threads()} threads"
-    print(f"\n### Decode, one SmolLM2-135M attention layer (layer {i}), float32, batch 1, {where}; "
-          f"medians of {args.repeat}×{args.steps} steps\n")
-    print(C.table(["context", "variant", "ms / token", "time / gqa-sdpa", "KV bytes / token", "KV / gqa-sdpa",
-                   "rel. err vs gqa-sdpa"], rows))
+    print(
+        f"\n### Decode, one SmolLM2-135M attention layer (layer {i}), float32, batch 1, {where}; "
+        f"medians of {args.repeat}×{args.steps} steps\n"
+    )
+    print(
+        C.table(
+            [
+                "context",
+                "variant",
+                "ms / token",
+                "time / gqa-sdpa",
+                "KV bytes / token",
+                "KV / gqa-sdpa",
+                "rel. err vs gqa-sdpa",
+            ],
+            rows,
+        )
+    )
     run = whole_run.report()
     print("\n" + C.contention_line(run))
 
     data = C.header("decode", str(device), quiet)
-    data.update({
-        "layer": i,
-        "dtype": "float32",
-        "variants": variants,
-        "attention_implementations": {"gqa-eager": "transformers LlamaAttention, eager",
-                                      "gqa-sdpa": "transformers LlamaAttention, sdpa",
-                                      "mla-absorbed": "convert.mla.MLAAttention absorbed",
-                                      "mla-factored": "convert.mla.MLAAttention factored"},
-        "mla_ranks": mla_info,
-        "parameters": params,
-        "contexts": args.contexts,
-        "steps": args.steps,
-        "repeat": args.repeat,
-        "samples_s": samples,
-        "kv_cache": kv,
-        "rel_error_vs_gqa_sdpa": check,
-        "summary": summary,
-        "contention_per_repeat": contention,
-        "contention": run,
-        "torch_threads": torch.get_num_threads(),
-    })
+    data.update(
+        {
+            "layer": i,
+            "dtype": "float32",
+            "variants": variants,
+            "attention_implementations": {
+                "gqa-eager": "transformers LlamaAttention, eager",
+                "gqa-sdpa": "transformers LlamaAttention, sdpa",
+                "mla-absorbed": "convert.mla.MLAAttention absorbed",
+                "mla-factored": "convert.mla.MLAAttention factored",
+            },
+            "mla_ranks": mla_info,
+            "parameters": params,
+            "contexts": args.contexts,
+            "steps": args.steps,
+            "repeat": args.repeat,
+            "samples_s": samples,
+            "kv_cache": kv,
+            "rel_error_vs_gqa_sdpa": check,
+            "summary": summary,
+            "contention_per_repeat": contention,
+            "contention": run,
+            "torch_threads": torch.get_num_threads(),
+        }
+    )
     C.write_json(args.out, data)
     return 0
 

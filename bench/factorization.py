@@ -131,7 +131,10 @@ def main(argv=None) -> int:
             half = real_factor(weights[(i, p)], r // 2)
             optimal = float(exact_s[r // 2 :].square().sum().sqrt())
             worst_trunc = max(worst_trunc, float((half.up @ half.down - w).norm()) / optimal)
-        spectrum[p] = {"max_rel_singular_value_diff": worst_s, "max_truncated_error_over_optimal_at_r_half": worst_trunc}
+        spectrum[p] = {
+            "max_rel_singular_value_diff": worst_s,
+            "max_truncated_error_over_optimal_at_r_half": worst_trunc,
+        }
 
     # Warm-up (untimed): first calls pay for lazy LAPACK/BLAS initialisation.
     for p, ms in methods.items():
@@ -153,7 +156,10 @@ def main(argv=None) -> int:
                     samples[f"{p}:{name}"][i].append(time.perf_counter() - t0)
                 k += 1
         contention.append(watch.report())
-        print(f"repeat {rep + 1}/{args.repeat} done; other processes used {contention[-1]['other_cpu_cores']} cores", flush=True)
+        print(
+            f"repeat {rep + 1}/{args.repeat} done; other processes used {contention[-1]['other_cpu_cores']} cores",
+            flush=True,
+        )
 
     per_layer = {key: [C.median(s) for s in layers] for key, layers in samples.items()}
     summary = {}
@@ -171,31 +177,60 @@ def main(argv=None) -> int:
     for key, s in summary.items():
         p, name = key.split(":")
         rec = recon[key]
-        rows.append([f"{p}_proj", name, s["median_per_layer_s"] * 1e3, s["all_layers_s"], s["ratio_seed_torch_over_this"],
-                     s["ratio_seed_numpy_over_this"], rec["max_abs_error"], rec["max_abs_diff_vs_seed_torch"]])
-    print(f"\n### Factorization per layer, SmolLM2-135M (H={H}, G={G}, d={d}, D={D}; tiled {H * d}×{D} vs {G * d}×{D}; "
-          f"float64; {n_layers} layers, medians of {args.repeat})\n")
-    print(C.table(["proj", "method", "ms / layer", f"all {n_layers} layers s", "seed-torch / this", "seed-numpy / this",
-                   "max abs(up·down − W̃)", "max abs(rec − rec of seed-torch)"], rows))
+        rows.append(
+            [
+                f"{p}_proj",
+                name,
+                s["median_per_layer_s"] * 1e3,
+                s["all_layers_s"],
+                s["ratio_seed_torch_over_this"],
+                s["ratio_seed_numpy_over_this"],
+                rec["max_abs_error"],
+                rec["max_abs_diff_vs_seed_torch"],
+            ]
+        )
+    print(
+        f"\n### Factorization per layer, SmolLM2-135M (H={H}, G={G}, d={d}, D={D}; tiled {H * d}×{D} vs {G * d}×{D}; "
+        f"float64; {n_layers} layers, medians of {args.repeat})\n"
+    )
+    print(
+        C.table(
+            [
+                "proj",
+                "method",
+                "ms / layer",
+                f"all {n_layers} layers s",
+                "seed-torch / this",
+                "seed-numpy / this",
+                "max abs(up·down − W̃)",
+                "max abs(rec − rec of seed-torch)",
+            ],
+            rows,
+        )
+    )
     for p, sp in spectrum.items():
-        print(f"\n{p}_proj real_factor vs SVD: singular values max rel. diff {sp['max_rel_singular_value_diff']:.2e}; "
-              f"truncated to r/2 = {r // 2}: error / optimal error ≤ {sp['max_truncated_error_over_optimal_at_r_half']:.12f}")
+        print(
+            f"\n{p}_proj real_factor vs SVD: singular values max rel. diff {sp['max_rel_singular_value_diff']:.2e}; "
+            f"truncated to r/2 = {r // 2}: error / optimal error ≤ {sp['max_truncated_error_over_optimal_at_r_half']:.12f}"
+        )
     run = whole_run.report()
     print("\n" + C.contention_line(run))
 
     data = C.header("factorization", "cpu", quiet)
-    data.update({
-        "geometry": {"H": H, "G": G, "d": d, "D": D, "r": r, "layers": n_layers, "head_map": head_map},
-        "repeat": args.repeat,
-        "samples_s": samples,
-        "per_layer_median_s": per_layer,
-        "summary": summary,
-        "reconstruction": recon,
-        "real_factor_vs_svd": spectrum,
-        "numpy": np.__version__,
-        "contention_per_repeat": contention,
-        "contention": run,
-    })
+    data.update(
+        {
+            "geometry": {"H": H, "G": G, "d": d, "D": D, "r": r, "layers": n_layers, "head_map": head_map},
+            "repeat": args.repeat,
+            "samples_s": samples,
+            "per_layer_median_s": per_layer,
+            "summary": summary,
+            "reconstruction": recon,
+            "real_factor_vs_svd": spectrum,
+            "numpy": np.__version__,
+            "contention_per_repeat": contention,
+            "contention": run,
+        }
+    )
     C.write_json(args.out, data)
     return 0
 

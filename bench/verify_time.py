@@ -39,11 +39,17 @@ def main(argv=None) -> int:
     # One repeat of the four configurations takes ~3-4 min on 2 cores: 5 would not fit in ~5 minutes.
     C.add_common_args(parser, "verify_time", repeat=1)
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "float64"], choices=["float32", "float64", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["float32", "float64"], choices=["float32", "float64", "bfloat16", "float16"]
+    )
     parser.add_argument("--layout", default="absorbed", choices=["absorbed", "factored"])
     parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--text", type=Path, default=None, help="text file (default: Austen's Emma from fixtures/realdata.py)")
-    parser.add_argument("--workdir", type=Path, default=None, help="scratch directory for the conversion (default: $TMPDIR)")
+    parser.add_argument(
+        "--text", type=Path, default=None, help="text file (default: Austen's Emma from fixtures/realdata.py)"
+    )
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="scratch directory for the conversion (default: $TMPDIR)"
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -80,18 +86,23 @@ def main(argv=None) -> int:
                 wall = time.perf_counter() - t0
                 timings = dict(report["timings"], wall_s=wall)
                 samples[f"{n}:{dt}"].append(timings)
-                verdicts[f"{n}:{dt}"].append({
-                    "verdict": report["verdict"],
-                    "tokens": report["inputs"]["text"]["tokens"],
-                    "max_layer_rel_error": max(r["rel_error"] for r in report["layers"]),
-                    "logits_rel_error": (report["end_to_end"] or {}).get("logits_rel_error"),
-                    "top1_agreement": (report["end_to_end"] or {}).get("top1_agreement"),
-                    "ppl_original": (report["end_to_end"] or {}).get("ppl_original"),
-                })
+                verdicts[f"{n}:{dt}"].append(
+                    {
+                        "verdict": report["verdict"],
+                        "tokens": report["inputs"]["text"]["tokens"],
+                        "max_layer_rel_error": max(r["rel_error"] for r in report["layers"]),
+                        "logits_rel_error": (report["end_to_end"] or {}).get("logits_rel_error"),
+                        "top1_agreement": (report["end_to_end"] or {}).get("top1_agreement"),
+                        "ppl_original": (report["end_to_end"] or {}).get("ppl_original"),
+                    }
+                )
             contention.append(watch.report())
-            print(f"repeat {rep + 1}/{args.repeat}: " + ", ".join(
-                f"{k} {v[-1]['total_s']:.1f}s" for k, v in samples.items())
-                + f"; other processes used {contention[-1]['other_cpu_cores']} cores", flush=True)
+            print(
+                f"repeat {rep + 1}/{args.repeat}: "
+                + ", ".join(f"{k} {v[-1]['total_s']:.1f}s" for k, v in samples.items())
+                + f"; other processes used {contention[-1]['other_cpu_cores']} cores",
+                flush=True,
+            )
 
         summary, rows = {}, []
         for n, dt in configs:
@@ -102,31 +113,62 @@ def main(argv=None) -> int:
             med["other_s"] = med["total_s"] - med["layers_s"] - (med["end_to_end_s"] or 0)
             last = verdicts[key][-1]
             summary[key] = {"tokens": n, "dtype": dt, **med, **last}
-            rows.append([n, dt, med["per_layer_s"] * 1e3, med["layers_s"], med["end_to_end_s"], med["other_s"], med["total_s"],
-                         last["verdict"], last["max_layer_rel_error"], last["logits_rel_error"]])
+            rows.append(
+                [
+                    n,
+                    dt,
+                    med["per_layer_s"] * 1e3,
+                    med["layers_s"],
+                    med["end_to_end_s"],
+                    med["other_s"],
+                    med["total_s"],
+                    last["verdict"],
+                    last["max_layer_rel_error"],
+                    last["logits_rel_error"],
+                ]
+            )
 
-        print(f"\n### verify_paths on SmolLM2-135M ({args.layout}), text: Austen's Emma; device {device}; "
-              f"medians of {args.repeat}\n")
-        print(C.table(["tokens", "dtype", "per layer ms", f"all {n_layers} layers s", "end to end s", "other s", "total s",
-                       "verdict", "max layer rel err", "logits rel err"], rows))
+        print(
+            f"\n### verify_paths on SmolLM2-135M ({args.layout}), text: Austen's Emma; device {device}; "
+            f"medians of {args.repeat}\n"
+        )
+        print(
+            C.table(
+                [
+                    "tokens",
+                    "dtype",
+                    "per layer ms",
+                    f"all {n_layers} layers s",
+                    "end to end s",
+                    "other s",
+                    "total s",
+                    "verdict",
+                    "max layer rel err",
+                    "logits rel err",
+                ],
+                rows,
+            )
+        )
         run = whole_run.report()
         print("\n" + C.contention_line(run))
 
         data = C.header("verify_time", device, quiet)
-        data.update({
-            "source": str(src),
-            "layout": args.layout,
-            "text": str(text),
-            "n_layers": n_layers,
-            "conversion_s": convert_s,
-            "repeat": args.repeat,
-            "samples": samples,
-            "results": verdicts,
-            "summary": summary,
-            "contention_per_repeat": contention,
-            "contention": run,
-            "torch_threads": torch.get_num_threads(),
-        })
+        data.update(
+            {
+                "source": str(src),
+                "layout": args.layout,
+                "text": str(text),
+                "n_layers": n_layers,
+                "conversion_s": convert_s,
+                "repeat": args.repeat,
+                "samples": samples,
+                "results": verdicts,
+                "summary": summary,
+                "contention_per_repeat": contention,
+                "contention": run,
+                "torch_threads": torch.get_num_threads(),
+            }
+        )
         C.write_json(args.out, data)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -1,7 +1,7 @@
 """The Python API: plan -> transform -> write -> verify. No click, no printing.
 
-    result = convert.gqa2mla("model_dir", "model_dir-mla")
-    mla_sd = convert.convert_state_dict(model.state_dict(), model.config)
+result = convert.gqa2mla("model_dir", "model_dir-mla")
+mla_sd = convert.convert_state_dict(model.state_dict(), model.config)
 """
 
 import math
@@ -13,12 +13,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from convert import __version__
-from convert import compress
+from convert import __version__, compress
 from convert.arch import AttentionSpec, resolve_attention
 from convert.errors import ConvertError
-from convert.linalg import numerical_rank
 from convert.io import Checkpoint, CheckpointWriter, open_checkpoint, parse_size
+from convert.linalg import numerical_rank
 from convert.options import ConvertOptions
 from convert.source import StateDictSource, attention_names, check_layer, read_layer
 from convert.text import text_token_ids
@@ -108,7 +107,9 @@ def _checked(requested: dict[str, int], exact: dict[str, int], layer: int, spec:
                 "at the exact rank the conversion is already lossless, so omit --rank or lower it"
             )
     if spec.rope and opts.layout == "absorbed" and requested.get("rank_k", 0) % 2:
-        raise ConvertError(f"--rank {requested['rank_k']} is odd: a RoPE key latent has pairs of dims; use an even rank")
+        raise ConvertError(
+            f"--rank {requested['rank_k']} is odd: a RoPE key latent has pairs of dims; use an even rank"
+        )
     return requested
 
 
@@ -127,7 +128,9 @@ def _requested_ranks(source, spec: AttentionSpec, opts: ConvertOptions, stats) -
             weights = read_layer(source, spec, layer)
             weighting = _weighting(weights, spec, opts, stats, layer)
             latents += compress.layer_latents(layer, weights, spec, opts.layout, weighting)
-    return compress.plan_ranks(latents, spec, opts.layout, opts.kv_cache_ratio, opts.resolved_allocation, opts.resolved_method)
+    return compress.plan_ranks(
+        latents, spec, opts.layout, opts.kv_cache_ratio, opts.resolved_allocation, opts.resolved_method
+    )
 
 
 def _weighting(weights, spec: AttentionSpec, opts: ConvertOptions, stats, layer: int):
@@ -157,7 +160,9 @@ def _calibration(source, spec: AttentionSpec, opts: ConvertOptions):
     if not opts.lossy or opts.resolved_method == "svd":
         return None
     if spec.arch.hf_attention is None:
-        raise ConvertError(f"--calib needs a transformers architecture to run; {spec.arch.name} has none: use --method svd")
+        raise ConvertError(
+            f"--calib needs a transformers architecture to run; {spec.arch.name} has none: use --method svd"
+        )
     config = source.config or {}
     ids = opts.calib
     if not isinstance(ids, torch.Tensor):
@@ -219,13 +224,17 @@ def _compression_section(spec: AttentionSpec, opts: ConvertOptions, plans: list[
         return None
     gqa = spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim
     achieved = sum(_cache_dims(p["ranks"]) for p in plans)
-    calib = opts.calib if opts.calib is None or isinstance(opts.calib, (str, Path)) else f"{opts.calib.shape[-1]} token ids"
+    calib = (
+        opts.calib if opts.calib is None or isinstance(opts.calib, (str, Path)) else f"{opts.calib.shape[-1]} token ids"
+    )
     return {
         "method": opts.resolved_method,
         "allocation": opts.resolved_allocation if opts.rank is None else "uniform",
         "kv_cache_ratio": opts.kv_cache_ratio,
         "rank": opts.rank,
-        "budget_dims": None if opts.kv_cache_ratio is None else compress.budget_dims(opts.kv_cache_ratio, spec.n_layers, spec.n_kv_heads, spec.head_dim),
+        "budget_dims": None
+        if opts.kv_cache_ratio is None
+        else compress.budget_dims(opts.kv_cache_ratio, spec.n_layers, spec.n_kv_heads, spec.head_dim),
         "cache_dims": achieved,
         "gqa_cache_dims": gqa,
         "achieved_ratio": achieved / gqa,
@@ -240,7 +249,9 @@ def _cache_dims(ranks: dict[str, int]) -> int:
 
 def _sizes(source, spec: AttentionSpec, plans: list[dict], dtype: torch.dtype) -> dict:
     itemsize = torch.empty((), dtype=dtype).element_size()
-    before = sum(math.prod(source.shape(n)) for layer in range(spec.n_layers) for n in attention_names(source, spec, layer))
+    before = sum(
+        math.prod(source.shape(n)) for layer in range(spec.n_layers) for n in attention_names(source, spec, layer)
+    )
     after = sum(math.prod(s) for plan in plans for s in plan["shapes"].values())
     gqa_dims = spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim
     mla_dims = sum(_cache_dims(plan["ranks"]) for plan in plans)

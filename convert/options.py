@@ -62,7 +62,9 @@ class ConvertOptions:
         _choice("--device", self.device, DEVICES)
         _choice("--dtype", self.dtype, DTYPES)
         if self.rank is not None and self.rank <= 0:
-            raise ConvertError(f"--rank {self.rank} must be a positive number of latent dims (omit it for the exact rank)")
+            raise ConvertError(
+                f"--rank {self.rank} must be a positive number of latent dims (omit it for the exact rank)"
+            )
         self._check_compression()
         if self.tokens <= 1:
             raise ConvertError(f"--tokens {self.tokens} must be at least 2")
@@ -88,12 +90,22 @@ class ConvertOptions:
         if self.rank is not None and self.kv_cache_ratio is not None:
             raise ConvertError("--rank and --kv-cache-ratio both set the cache size; give one of them")
         if self.kv_cache_ratio is not None and not 0 < self.kv_cache_ratio <= 1:
-            raise ConvertError(f"--kv-cache-ratio {self.kv_cache_ratio} must be in (0, 1], e.g. 0.5 keeps half the GQA cache")
+            raise ConvertError(
+                f"--kv-cache-ratio {self.kv_cache_ratio} must be in (0, 1], e.g. 0.5 keeps half the GQA cache"
+            )
         if self.resolved_method != "svd" and self.calib is None and self.lossy:
-            raise ConvertError(f"--method {self.resolved_method} weights the error by real inputs: pass --calib FILE (a text)")
+            raise ConvertError(
+                f"--method {self.resolved_method} weights the error by real inputs: pass --calib FILE (a text)"
+            )
         if self.allocation == "global" and self.rank is not None:
-            raise ConvertError("--allocation global spends a --kv-cache-ratio budget; with --rank every latent has that rank")
-        if self.latent == "joint" and self.lossy and (self.resolved_method != "svd" or self.resolved_allocation != "uniform"):
+            raise ConvertError(
+                "--allocation global spends a --kv-cache-ratio budget; with --rank every latent has that rank"
+            )
+        if (
+            self.latent == "joint"
+            and self.lossy
+            and (self.resolved_method != "svd" or self.resolved_allocation != "uniform")
+        ):
             raise ConvertError("--latent joint compresses only with --method svd and uniform ranks; use --latent split")
         if self.calib_tokens < 2:
             raise ConvertError(f"--calib-tokens {self.calib_tokens} must be at least 2")

@@ -52,7 +52,9 @@ def check_layer(source, spec: AttentionSpec, layer: int) -> None:
     for proj, shape in expected_shapes(spec).items():
         name = spec.tensor(layer, proj)
         if name not in source:
-            raise ConvertError(f"layer {layer} has no {name!r}; the checkpoint is incomplete or not a {spec.arch.name} model")
+            raise ConvertError(
+                f"layer {layer} has no {name!r}; the checkpoint is incomplete or not a {spec.arch.name} model"
+            )
         if tuple(source.shape(name)) != shape:
             raise ConvertError(
                 f"{name} has shape {list(source.shape(name))}, expected {list(shape)} from n_heads={spec.n_heads}, "
@@ -78,5 +80,7 @@ def read_layer(source, spec: AttentionSpec, layer: int) -> LayerWeights:
 def _finite(tensor: torch.Tensor, name: str) -> torch.Tensor:
     if not torch.isfinite(tensor).all():
         bad = int((~torch.isfinite(tensor)).sum())
-        raise ConvertError(f"{name} has {bad} NaN/Inf values; the checkpoint is corrupt, re-export it from a healthy copy")
+        raise ConvertError(
+            f"{name} has {bad} NaN/Inf values; the checkpoint is corrupt, re-export it from a healthy copy"
+        )
     return tensor

@@ -19,7 +19,11 @@ def hf_classes(arch_name: str) -> tuple[type, type, type]:
     module_name, attention = ARCHS[arch_name].hf_attention.split(":")
     module = importlib.import_module(module_name)
     family = attention.removesuffix("Attention")
-    return getattr(module, attention), getattr(module, f"{family}DecoderLayer"), getattr(module, f"{family}RotaryEmbedding")
+    return (
+        getattr(module, attention),
+        getattr(module, f"{family}DecoderLayer"),
+        getattr(module, f"{family}RotaryEmbedding"),
+    )
 
 
 def load_module(module: torch.nn.Module, checkpoint, prefix: str, device, dtype) -> torch.nn.Module:
@@ -74,7 +78,11 @@ class LayerStream:
         hidden = embed[token_ids.cpu()].to(device=self.device, dtype=self.dtype)  # (B, L, D)
         for layer in progress(range(n_layers)):
             decoder = load_module(
-                self.decoder_cls(self.ref_config, layer), self.checkpoint, f"model.layers.{layer}.", self.device, self.dtype
+                self.decoder_cls(self.ref_config, layer),
+                self.checkpoint,
+                f"model.layers.{layer}.",
+                self.device,
+                self.dtype,
             )
             with torch.no_grad():
                 x = decoder.input_layernorm(hidden)

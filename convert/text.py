@@ -9,7 +9,9 @@ from convert.errors import ConvertError
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
-def text_token_ids(text_path: Path, model_root: Path, vocab_size: int, n_tokens: int, what: str = "--text") -> torch.Tensor:
+def text_token_ids(
+    text_path: Path, model_root: Path, vocab_size: int, n_tokens: int, what: str = "--text"
+) -> torch.Tensor:
     """The first `n_tokens` token ids (1, N) of a UTF-8 text file.
 
     Uses the model's own tokenizer when its directory has one; a checkpoint

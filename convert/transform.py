@@ -124,7 +124,9 @@ def factor_layer(w: LayerWeights, spec: AttentionSpec, latent: str, layout: str,
     return key_f, _value_factor(w, ranks.get("rank_v"), weighting), affine, notes
 
 
-def convert_layer(w: LayerWeights, spec: AttentionSpec, latent: str, layout: str, ranks: dict | None = None, weighting=None):
+def convert_layer(
+    w: LayerWeights, spec: AttentionSpec, latent: str, layout: str, ranks: dict | None = None, weighting=None
+):
     """Convert one layer. Returns (tensors by relative name, LayerInfo)."""
     key_f, value_f, affine, notes = factor_layer(w, spec, latent, layout, ranks, weighting)
     up_k = expand_groups(key_f.up, spec.n_heads, spec.n_kv_heads, spec.head_map)  # (H·d, r_K)

@@ -244,7 +244,9 @@ class _Converted(dict):
 
 def _read_output(out: Path) -> _Converted:
     index = out / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     tensors = _Converted()
     for name in files:
         tensors.update(load_file(out / name))
@@ -328,7 +330,11 @@ def test_summary_when_not_quiet(tmp_path, tiny_llama_dir):
 
 def test_python_m_convert_help():
     result = subprocess.run(
-        [sys.executable, "-m", "convert", "--help"], capture_output=True, text=True, timeout=120, cwd=TINY_LLAMA.parent.parent
+        [sys.executable, "-m", "convert", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=TINY_LLAMA.parent.parent,
     )
     assert result.returncode == 0, result.stderr
     assert "gqa2mla" in result.stdout and "verify" in result.stdout

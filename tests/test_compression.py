@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from make_tiny import tiny_hf_model
 
 import convert
 from convert.cli import main
 from convert.compress.allocate import Latent, allocate_global, budget_dims
 from convert.linalg.weighted import weighted_factor, weighted_rope_factor
-from make_tiny import tiny_hf_model
 
 METHODS = ["svd", "whitened", "fisher"]
 PROSE = (
@@ -77,8 +77,14 @@ def test_weighted_factors_are_exact_at_full_rank_and_whitening_helps_when_trunca
 def test_cache_budget_is_met_and_reported(tiny, method, layout):
     src, calib, _ = tiny
     result = convert.gqa2mla(
-        src, src.parent / "out", layout=layout, kv_cache_ratio=0.5, method=method,
-        calib=None if method == "svd" else calib, verify=False, progress=False,
+        src,
+        src.parent / "out",
+        layout=layout,
+        kv_cache_ratio=0.5,
+        method=method,
+        calib=None if method == "svd" else calib,
+        verify=False,
+        progress=False,
     )
     comp = result.config["mla"]["compression"]
     mla = result.config["mla"]
@@ -99,7 +105,19 @@ def test_ratio_one_is_the_exact_conversion(tiny):
 
 def test_lossy_round_trip_is_judged_by_max_ppl_ratio(tiny):
     src, calib, text = tiny
-    args = ["gqa2mla", str(src), "--kv-cache-ratio", "0.5", "--calib", str(calib), "--text", str(text), "--tokens", "256", "-q"]
+    args = [
+        "gqa2mla",
+        str(src),
+        "--kv-cache-ratio",
+        "0.5",
+        "--calib",
+        str(calib),
+        "--text",
+        str(text),
+        "--tokens",
+        "256",
+        "-q",
+    ]
     ok = CliRunner().invoke(main, args + ["-o", str(src.parent / "ok"), "--max-ppl-ratio", "1000"])
     assert ok.exit_code == 0, ok.output
     report = json.loads((src.parent / "ok" / "verification.json").read_text())

@@ -42,7 +42,9 @@ GEOMETRIES = {
     ),
     "llama-yarn-rope": (
         "llama",
-        dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8)),
+        dict(
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8)
+        ),
     ),
     "mistral-sliding": ("mistral", {}),  # sliding_window = 5 < sequence length 12
     "mistral-mqa": ("mistral", dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=1, head_dim=8)),
@@ -89,7 +91,9 @@ def test_biases_are_random_and_matter():
         converted["model.layers.0.self_attn.q_absorbed.bias"]
     )
     inputs = hf_inputs(model)
-    assert rel_err(converted_attention(converted, 0, inputs, torch.float64), reference_attention(model, 0, inputs)) > 1e-3
+    assert (
+        rel_err(converted_attention(converted, 0, inputs, torch.float64), reference_attention(model, 0, inputs)) > 1e-3
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

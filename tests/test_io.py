@@ -39,9 +39,7 @@ def _bytes_of(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _write_raw_file(
-    path: Path, header: object, data: bytes = b"", header_text: bytes | None = None
-) -> None:
+def _write_raw_file(path: Path, header: object, data: bytes = b"", header_text: bytes | None = None) -> None:
     body = header_text if header_text is not None else json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(body)) + body + data)
 
@@ -321,9 +319,10 @@ def test_raw_copy_is_bit_exact(tmp_path: Path) -> None:
     raw = torch.tensor([0x7FC1, -1, 0x0001, 0x3F80], dtype=torch.int16).view(torch.bfloat16)
     src = tmp_path / "src.safetensors"
     save_file({"x": raw, "y": torch.randn(3, 3)}, str(src))
-    with open_checkpoint(src) as ckpt, CheckpointWriter(
-        tmp_path / "dst", {n: (ckpt.shape(n), ckpt.dtype(n)) for n in ckpt.keys()}, 10**9
-    ) as w:
+    with (
+        open_checkpoint(src) as ckpt,
+        CheckpointWriter(tmp_path / "dst", {n: (ckpt.shape(n), ckpt.dtype(n)) for n in ckpt.keys()}, 10**9) as w,
+    ):
         for n in ckpt.keys():
             w.write_raw(n, ckpt.raw_bytes(n))
         out = w.commit()

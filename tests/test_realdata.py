@@ -36,6 +36,7 @@ rd = _load_realdata()
 
 # ---------------------------------------------------------------- R reader
 
+
 def _i(v: int) -> bytes:
     return struct.pack(">i", v)
 
@@ -113,11 +114,13 @@ def test_rds_and_lazyload_db(tmp_path):
         out += _flags(16) + _i(len(items)) + b"".join(_charsxp(k) for k, _ in items) + NILVALUE
         return out
 
-    index = named_list([
-        ("variables", named_list([("x", _flags(13) + _i(2) + _i(0) + _i(len(record)))])),
-        ("references", named_list([])),
-        ("compressed", _flags(10) + _i(1) + _i(1)),
-    ])
+    index = named_list(
+        [
+            ("variables", named_list([("x", _flags(13) + _i(2) + _i(0) + _i(len(record)))])),
+            ("references", named_list([])),
+            ("compressed", _flags(10) + _i(1) + _i(1)),
+        ]
+    )
     (tmp_path / "db.rdx").write_bytes(gzip.compress(_header(3) + index))
     objs = rd.read_lazyload_db(tmp_path / "db")
     assert list(objs) == ["x"]
@@ -139,6 +142,7 @@ def test_cache_dir_env(monkeypatch, tmp_path):
 
 
 # ---------------------------------------------------------------- texts
+
 
 def test_austen_books():
     books = rd.austen_books()
@@ -168,6 +172,7 @@ def test_devil_text():
 
 
 # ---------------------------------------------------------------- model
+
 
 def test_smollm2_dir_loads_with_expected_config():
     torch = pytest.importorskip("torch")

@@ -76,7 +76,9 @@ def test_seed_gqa_with_grouped_map_is_wrong(layout):
     D, H, G, d = 24, 6, 2, 4
     module = seed_gqa(D, H, G, d, seed=4, dtype=torch.float64)
     x = _inputs(D, torch.float64)
-    wrong = convert.convert_state_dict(module.state_dict(), None, arch="seed", n_heads=H, layout=layout, head_map="grouped")
+    wrong = convert.convert_state_dict(
+        module.state_dict(), None, arch="seed", n_heads=H, layout=layout, head_map="grouped"
+    )
     with torch.no_grad():
         ref = module(x, x)
         out = mla_attention(wrong, 0)(x, position_embeddings=None, attention_mask=None)[0]

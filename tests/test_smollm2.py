@@ -27,9 +27,8 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def emma_ids(smollm2):
-    from transformers import AutoTokenizer
-
     import realdata
+    from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(smollm2)(realdata.austen_text("emma"))["input_ids"]
     assert len(ids) >= EVAL_TOKENS
@@ -90,9 +89,9 @@ def test_convert_verify_passes_on_real_text(converted, smollm2, tmp_path):
 def test_fisher_compression_keeps_perplexity_at_half_the_cache(smollm2, original):
     """Issue target at 50% of the GQA cache: perplexity ≤ 1.15× the original's, one-shot,
     calibrated on Pride and Prejudice and evaluated on Emma (disjoint texts)."""
+    import realdata
     from transformers import AutoTokenizer
 
-    import realdata
     from convert.mla.model import build_mla_model
     from convert.verify.e2e import perplexity
 

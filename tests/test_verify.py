@@ -5,14 +5,17 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from make_tiny import tiny_hf_model
 from safetensors.torch import load_file, save_file
 
 import convert
 from convert.cli import main
 from convert.mla.model import cache_bytes_per_token
-from make_tiny import tiny_hf_model
 
-TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife. " * 4
+TEXT = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife. "
+    * 4
+)
 
 
 def _save(tmp_path, model_type="llama", **overrides):
@@ -84,7 +87,9 @@ def test_original_changed_after_conversion_fails(tmp_path):
 def test_verify_cli_passes_and_writes_report(tmp_path):
     src = _save(tmp_path)
     out = _convert(src, tmp_path / "out", verify=False).output
-    res = CliRunner().invoke(main, ["verify", str(src), str(out), "--tokens", "32", "--report-dir", str(tmp_path / "rep")])
+    res = CliRunner().invoke(
+        main, ["verify", str(src), str(out), "--tokens", "32", "--report-dir", str(tmp_path / "rep")]
+    )
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "rep" / "verification.json").read_text())["verdict"] == "PASS"
 
@@ -122,8 +127,11 @@ def test_joint_latent_caches_one_tensor(tmp_path):
     """A seed-notation checkpoint has no runnable LM; joint latents are checked per layer."""
     torch.manual_seed(0)
     H, G, d, D = 4, 2, 8, 32
-    tensors = {f"layers.{i}.W_{m}.weight": torch.randn(r, c) for i in range(2) for m, (r, c) in
-               {"Q": (H * d, D), "K": (G * d, D), "V": (G * d, D), "O": (D, H * d)}.items()}
+    tensors = {
+        f"layers.{i}.W_{m}.weight": torch.randn(r, c)
+        for i in range(2)
+        for m, (r, c) in {"Q": (H * d, D), "K": (G * d, D), "V": (G * d, D), "O": (D, H * d)}.items()
+    }
     src = tmp_path / "seed.safetensors"
     save_file(tensors, src)
     result = _convert(src, tmp_path / "out", arch="seed", n_heads=H, latent="joint")

@@ -40,7 +40,9 @@ def _flag_or_config(config: dict, field: str, flag: str, value: int | None) -> i
     """The config's value, checked against the flag's when both are given."""
     in_config = config.get(field)
     if in_config is not None and value is not None and int(in_config) != int(value):
-        raise ConvertError(f"{flag} {value} contradicts config.json {field}={in_config}; drop the flag or fix config.json")
+        raise ConvertError(
+            f"{flag} {value} contradicts config.json {field}={in_config}; drop the flag or fix config.json"
+        )
     return in_config if in_config is not None else value
 
 
@@ -138,7 +140,9 @@ def resolve_attention(
 
 def _check_geometry(spec, prefix, n_heads, n_kv_heads, head_dim, hidden_size, q_rows, k_rows, hidden) -> None:
     if n_heads <= 0 or n_kv_heads <= 0 or head_dim <= 0:
-        raise ConvertError(f"head counts must be positive (n_heads={n_heads}, n_kv_heads={n_kv_heads}, head_dim={head_dim})")
+        raise ConvertError(
+            f"head counts must be positive (n_heads={n_heads}, n_kv_heads={n_kv_heads}, head_dim={head_dim})"
+        )
     if n_heads % n_kv_heads:
         raise ConvertError(
             f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads}: every key/value head must serve "

@@ -12,10 +12,22 @@ from convert.compress.weights import METHODS, Weighting, layer_weighting
 from convert.linalg.weighted import pair_weighted_moment_spectrum, weighted_spectrum
 from convert.transform import LayerWeights, with_bias
 
-__all__ = ["METHODS", "LayerStats", "Weighting", "calibrate", "fisher_calibrate", "layer_weighting", "layer_latents", "plan_ranks", "uniform_ranks"]
+__all__ = [
+    "METHODS",
+    "LayerStats",
+    "Weighting",
+    "calibrate",
+    "fisher_calibrate",
+    "layer_weighting",
+    "layer_latents",
+    "plan_ranks",
+    "uniform_ranks",
+]
 
 
-def layer_latents(layer: int, w: LayerWeights, spec: AttentionSpec, layout: str, weighting: Weighting | None) -> list[Latent]:
+def layer_latents(
+    layer: int, w: LayerWeights, spec: AttentionSpec, layout: str, weighting: Weighting | None
+) -> list[Latent]:
     """The key and value latents of one layer with their weighted spectra."""
     weighting = weighting or Weighting()
     affine = spec.rope and w.k_bias is not None
@@ -38,7 +50,9 @@ def uniform_ranks(spec: AttentionSpec, layout: str, ratio: float) -> dict:
     return {"rank_k": rank_k, "rank_v": per_layer - rank_k}
 
 
-def plan_ranks(latents: list[Latent], spec: AttentionSpec, layout: str, ratio: float, allocation: str, method: str) -> list[dict]:
+def plan_ranks(
+    latents: list[Latent], spec: AttentionSpec, layout: str, ratio: float, allocation: str, method: str
+) -> list[dict]:
     """Per-layer ranks for a cache `ratio` of GQA's: uniform, or global by weighted energy."""
     if allocation == "uniform":
         return [uniform_ranks(spec, layout, ratio) for _ in range(spec.n_layers)]

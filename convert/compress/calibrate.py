@@ -31,8 +31,16 @@ def windows(token_ids: torch.Tensor, window: int) -> torch.Tensor:
     return token_ids[0, :n].reshape(-1, window)
 
 
-def calibrate(checkpoint, config: dict, token_ids: torch.Tensor, n_layers: int, window: int = 1024,
-              device="cpu", dtype=torch.float32, progress=iter) -> list[LayerStats]:
+def calibrate(
+    checkpoint,
+    config: dict,
+    token_ids: torch.Tensor,
+    n_layers: int,
+    window: int = 1024,
+    device="cpu",
+    dtype=torch.float32,
+    progress=iter,
+) -> list[LayerStats]:
     """Stream the original model over `token_ids` (1, N) and collect every layer's input moments."""
     rows = windows(token_ids, min(window, token_ids.shape[-1]))  # (B, L)
     stream = LayerStream(checkpoint, config, torch.device(device), dtype)
@@ -55,8 +63,16 @@ def fisher_calibrate(model, token_ids: torch.Tensor, window: int = 1024, progres
     rows = windows(token_ids, min(window, token_ids.shape[-1]))  # (B, L)
     layers = model.model.layers
     dim = layers[0].self_attn.k_proj.in_features
-    acc = [{"moment": torch.zeros(dim, dim, dtype=torch.float64), "sum": torch.zeros(dim, dtype=torch.float64),
-            "key": 0, "value": 0, "tokens": 0} for _ in layers]
+    acc = [
+        {
+            "moment": torch.zeros(dim, dim, dtype=torch.float64),
+            "sum": torch.zeros(dim, dtype=torch.float64),
+            "key": 0,
+            "value": 0,
+            "tokens": 0,
+        }
+        for _ in layers
+    ]
     hooks = [_hook(layer.self_attn.k_proj, acc[i], "key", inputs=True) for i, layer in enumerate(layers)]
     hooks += [_hook(layer.self_attn.v_proj, acc[i], "value", inputs=False) for i, layer in enumerate(layers)]
     try:
@@ -69,7 +85,13 @@ def fisher_calibrate(model, token_ids: torch.Tensor, window: int = 1024, progres
         for h in hooks:
             h.remove()
     return [
-        LayerStats(a["moment"] / a["tokens"], a["sum"] / a["tokens"], a["tokens"], a["key"] / a["tokens"], a["value"] / a["tokens"])
+        LayerStats(
+            a["moment"] / a["tokens"],
+            a["sum"] / a["tokens"],
+            a["tokens"],
+            a["key"] / a["tokens"],
+            a["value"] / a["tokens"],
+        )
         for a in acc
     ]
 

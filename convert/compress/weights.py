@@ -38,7 +38,9 @@ def pair_rms(grams: torch.Tensor) -> torch.Tensor:
     return ((diag[:, :half] + diag[:, half:]) / 2).clamp(min=0).sqrt()
 
 
-def layer_weighting(method: str, w: LayerWeights, spec: AttentionSpec, layout: str, stats: LayerStats | None) -> Weighting | None:
+def layer_weighting(
+    method: str, w: LayerWeights, spec: AttentionSpec, layout: str, stats: LayerStats | None
+) -> Weighting | None:
     """The weighting of `method` (svd, whitened, fisher) for one layer (None for plain SVD)."""
     if method == "svd":
         return None
@@ -58,7 +60,9 @@ def _fisher_weighting(weighting: Weighting, spec: AttentionSpec, layout: str, st
     key_f, value_f = _ridge(stats.key_fisher), _ridge(stats.value_fisher)
     if spec.rope and layout == "absorbed":
         d = spec.head_dim
-        blocks = key_f.reshape(spec.n_kv_heads, d, spec.n_kv_heads, d).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # (G, d, d)
+        blocks = (
+            key_f.reshape(spec.n_kv_heads, d, spec.n_kv_heads, d).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+        )  # (G, d, d)
         weighting.key_pairs = pair_rms(blocks)
     else:
         weighting.key_rows = psd_sqrt(key_f)

@@ -29,10 +29,7 @@ CONFIG_NAME = "config.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 _NOT_SAFETENSORS_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl", ".gguf", ".h5", ".msgpack"}
-_CONVERT_HINT = (
-    "convert it to safetensors first, e.g. with `transformers`' "
-    "save_pretrained(safe_serialization=True)"
-)
+_CONVERT_HINT = "convert it to safetensors first, e.g. with `transformers`' save_pretrained(safe_serialization=True)"
 
 
 def _build_dtype_table() -> dict[str, torch.dtype]:
@@ -99,15 +96,12 @@ def read_header(path: Path) -> FileHeader:
         size = path.stat().st_size
         f = open(path, "rb")
     except OSError as exc:
-        raise ConvertError(
-            f"{path}: cannot read ({exc.strerror}); check the path and permissions"
-        ) from None
+        raise ConvertError(f"{path}: cannot read ({exc.strerror}); check the path and permissions") from None
     with f:
         raw_len = f.read(8)
         if len(raw_len) < 8:
             raise ConvertError(
-                f"{path}: not a safetensors file (only {size} bytes, too short for a header); "
-                f"{_CONVERT_HINT}"
+                f"{path}: not a safetensors file (only {size} bytes, too short for a header); {_CONVERT_HINT}"
             )
         (header_len,) = struct.unpack("<Q", raw_len)
         if header_len > size - 8 or header_len > MAX_HEADER_BYTES:
@@ -134,13 +128,11 @@ def _parse_header_json(path: Path, header_bytes: bytes) -> dict[str, Any]:
         header = json.loads(header_bytes.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConvertError(
-            f"{path}: corrupt safetensors header (JSON does not parse: {exc}); "
-            "re-download or re-export the checkpoint"
+            f"{path}: corrupt safetensors header (JSON does not parse: {exc}); re-download or re-export the checkpoint"
         ) from None
     if not isinstance(header, dict):
         raise ConvertError(
-            f"{path}: corrupt safetensors header (JSON is not an object); "
-            "re-download or re-export the checkpoint"
+            f"{path}: corrupt safetensors header (JSON is not an object); re-download or re-export the checkpoint"
         )
     return header
 
@@ -148,9 +140,7 @@ def _parse_header_json(path: Path, header_bytes: bytes) -> dict[str, Any]:
 def _parse_metadata(path: Path, meta: Any) -> dict[str, str]:
     if meta is None:
         return {}
-    if not isinstance(meta, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
-    ):
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise ConvertError(
             f"{path}: corrupt safetensors header (__metadata__ must map strings to strings); "
             "re-download or re-export the checkpoint"
@@ -160,8 +150,7 @@ def _parse_metadata(path: Path, meta: Any) -> dict[str, str]:
 
 def _corrupt(path: Path, name: str, why: str) -> ConvertError:
     return ConvertError(
-        f"{path}: corrupt safetensors header, tensor '{name}' {why}; "
-        "re-download or re-export the checkpoint"
+        f"{path}: corrupt safetensors header, tensor '{name}' {why}; re-download or re-export the checkpoint"
     )
 
 
@@ -204,9 +193,7 @@ def _is_nonneg_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def _check_data_fits(
-    path: Path, tensors: dict[str, TensorEntry], size: int, data_start: int
-) -> None:
+def _check_data_fits(path: Path, tensors: dict[str, TensorEntry], size: int, data_start: int) -> None:
     declared = max((e.stop for e in tensors.values()), default=data_start) - data_start
     available = size - data_start
     if declared > available:
@@ -254,9 +241,7 @@ def _read_index(index_path: Path) -> dict[str, str]:
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
-        raise ConvertError(
-            f"{index_path}: index has no valid 'weight_map' (tensor name -> shard file); {fix}"
-        )
+        raise ConvertError(f"{index_path}: index has no valid 'weight_map' (tensor name -> shard file); {fix}")
     return weight_map
 
 
@@ -288,9 +273,7 @@ def _locate_in_dir(path: Path) -> tuple[Path, list[Path], Path | None]:
         )
     others = sorted(p.name for p in path.iterdir() if p.suffix.lower() in _NOT_SAFETENSORS_SUFFIXES)
     if others:
-        raise ConvertError(
-            f"{path}: no .safetensors files (found {others[0]}); {_CONVERT_HINT}"
-        )
+        raise ConvertError(f"{path}: no .safetensors files (found {others[0]}); {_CONVERT_HINT}")
     raise ConvertError(f"{path}: directory holds no .safetensors files; check the checkpoint path")
 
 

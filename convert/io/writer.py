@@ -55,18 +55,13 @@ def parse_size(text: str | int) -> int:
     match = _SIZE_RE.match(str(text))
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
-        raise ConvertError(
-            f"--max-shard-size: cannot parse {str(text)!r}; "
-            "use bytes or a unit like 5GB, 500MB, 2GiB"
-        )
+        raise ConvertError(f"--max-shard-size: cannot parse {str(text)!r}; use bytes or a unit like 5GB, 500MB, 2GiB")
     try:
         size = int(Decimal(match.group(1)) * _UNITS[unit])
     except InvalidOperation:  # pragma: no cover - the regex admits only decimals
         size = 0
     if size <= 0:
-        raise ConvertError(
-            f"--max-shard-size: {str(text)!r} is not a positive size; use e.g. 5GB, 500MB, 2GiB"
-        )
+        raise ConvertError(f"--max-shard-size: {str(text)!r} is not a positive size; use e.g. 5GB, 500MB, 2GiB")
     return size
 
 
@@ -126,13 +121,9 @@ class CheckpointWriter:
         self.output = Path(output)
         self.force = force
         if max_shard_size <= 0:
-            raise ConvertError(
-                f"--max-shard-size: must be positive, got {max_shard_size}; use e.g. 5GB"
-            )
+            raise ConvertError(f"--max-shard-size: must be positive, got {max_shard_size}; use e.g. 5GB")
         if self.output.exists() and not force:
-            raise ConvertError(
-                f"{self.output} exists; pass --force to replace it or choose another -o"
-            )
+            raise ConvertError(f"{self.output} exists; pass --force to replace it or choose another -o")
         self._metadata = self._check_metadata(metadata)
         self._slots = self._check_plan(plan)
         self._shards = self._assign_shards(max_shard_size)
@@ -140,9 +131,7 @@ class CheckpointWriter:
         self._extra_files: set[str] = set()
         self._done = False
         self.output.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = Path(
-            tempfile.mkdtemp(prefix=f".{self.output.name}.tmp-", dir=self.output.parent)
-        )
+        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.output.name}.tmp-", dir=self.output.parent))
         try:
             self._preallocate()
         except BaseException:
@@ -158,8 +147,7 @@ class CheckpointWriter:
         for key, value in merged.items():
             if not isinstance(key, str) or not isinstance(value, str):
                 raise ConvertError(
-                    f"safetensors metadata {key!r}: keys and values must be strings; "
-                    "convert them with str()"
+                    f"safetensors metadata {key!r}: keys and values must be strings; convert them with str()"
                 )
         return merged
 
@@ -168,9 +156,7 @@ class CheckpointWriter:
         slots: dict[str, _Slot] = {}
         for name, (shape, dtype) in plan.items():
             if name == "__metadata__":
-                raise ConvertError(
-                    "tensor name '__metadata__' is reserved by safetensors; rename the tensor"
-                )
+                raise ConvertError("tensor name '__metadata__' is reserved by safetensors; rename the tensor")
             if dtype not in TORCH_TO_SAFETENSORS:
                 raise ConvertError(
                     f"tensor '{name}': dtype {dtype} cannot be stored in safetensors; cast it to "
@@ -178,9 +164,7 @@ class CheckpointWriter:
                 )
             shape = tuple(int(d) for d in shape)
             if any(d < 0 for d in shape):
-                raise ConvertError(
-                    f"tensor '{name}': negative dimension in planned shape {shape}; fix the plan"
-                )
+                raise ConvertError(f"tensor '{name}': negative dimension in planned shape {shape}; fix the plan")
             nbytes = math.prod(shape) * dtype_itemsize(dtype)
             slots[name] = _Slot(shard=-1, shape=shape, dtype=dtype, nbytes=nbytes)
         return slots
@@ -248,9 +232,7 @@ class CheckpointWriter:
         self._check_open()
         slot = self._slots.get(name)
         if slot is None:
-            raise ConvertError(
-                f"tensor '{name}' is not in the output plan; add it to the plan or drop it"
-            )
+            raise ConvertError(f"tensor '{name}' is not in the output plan; add it to the plan or drop it")
         if name in self._written:
             raise ConvertError(f"tensor '{name}' written twice; write each planned tensor once")
         if nbytes is not None and nbytes != slot.nbytes:
@@ -312,9 +294,7 @@ class CheckpointWriter:
 
     def _check_open(self) -> None:
         if self._done:
-            raise ConvertError(
-                f"{self.output}: writer already committed or aborted; create a new writer"
-            )
+            raise ConvertError(f"{self.output}: writer already committed or aborted; create a new writer")
 
     def _check_complete(self) -> None:
         missing = [n for n in self._slots if n not in self._written]
@@ -328,9 +308,7 @@ class CheckpointWriter:
     def _write_index(self) -> None:
         if len(self._shards) == 1:
             return
-        weight_map = {
-            name: self._shards[slot.shard].filename for name, slot in self._slots.items()
-        }
+        weight_map = {name: self._shards[slot.shard].filename for name, slot in self._slots.items()}
         index = {
             "metadata": {"total_size": sum(s.nbytes for s in self._slots.values())},
             "weight_map": weight_map,
@@ -348,9 +326,7 @@ class CheckpointWriter:
         old: Path | None = None
         if self.output.exists() or self.output.is_symlink():
             if not self.force:
-                raise ConvertError(
-                    f"{self.output} exists; pass --force to replace it or choose another -o"
-                )
+                raise ConvertError(f"{self.output} exists; pass --force to replace it or choose another -o")
             # Move the old output aside first so there is never a moment
             # with neither the old nor the new one in place.
             old = Path(tempfile.mkdtemp(prefix=f".{self.output.name}.old-", dir=self.output.parent))

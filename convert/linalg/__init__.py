@@ -7,7 +7,7 @@
 """
 
 from convert.linalg.absorb import absorb_output, absorb_query
-from convert.linalg.factor import Factor, joint_factor, real_factor, numerical_rank
+from convert.linalg.factor import Factor, joint_factor, numerical_rank, real_factor
 from convert.linalg.heads import expand_groups, group_of_head, tile_rows
 from convert.linalg.rope import rope_factor
 

@@ -32,7 +32,9 @@ def _refit_up(weight: torch.Tensor, down: torch.Tensor, moment: torch.Tensor) ->
     return torch.linalg.solve(gram + ridge, (weight.to(down.dtype) @ m @ down.mH).mH).mH
 
 
-def weighted_spectrum(weight: torch.Tensor, row_weight: torch.Tensor | None, moment: torch.Tensor | None) -> torch.Tensor:
+def weighted_spectrum(
+    weight: torch.Tensor, row_weight: torch.Tensor | None, moment: torch.Tensor | None
+) -> torch.Tensor:
     """Singular values of Z = B W S: the error of keeping r is the sum of the rest squared."""
     return torch.linalg.svdvals(_weighted(weight.double(), row_weight, moment))
 
@@ -42,7 +44,9 @@ def _weighted(weight, row_weight, moment):
     return z if moment is None else z @ psd_sqrt(moment)
 
 
-def weighted_factor(weight: torch.Tensor, rank: int, row_weight: torch.Tensor | None = None, moment: torch.Tensor | None = None) -> Factor:
+def weighted_factor(
+    weight: torch.Tensor, rank: int, row_weight: torch.Tensor | None = None, moment: torch.Tensor | None = None
+) -> Factor:
     """Rank-`rank` factorization of weight (m, X) minimizing ‖B (W − up·down) M^{1/2}‖.
 
     row_weight: B (m, m) or None; moment: M (X, X) or None (plain SVD).
@@ -50,7 +54,13 @@ def weighted_factor(weight: torch.Tensor, rank: int, row_weight: torch.Tensor | 
     w = weight.double()
     u, s, _ = torch.linalg.svd(_weighted(w, row_weight, moment), full_matrices=False)
     down = u[:, :rank].T @ (w if row_weight is None else row_weight @ w)  # (r, X)
-    up = _refit_up(w, down, moment) if moment is not None else u[:, :rank] if row_weight is None else _refit_up(w, down, torch.eye(w.shape[1], dtype=w.dtype))
+    up = (
+        _refit_up(w, down, moment)
+        if moment is not None
+        else u[:, :rank]
+        if row_weight is None
+        else _refit_up(w, down, torch.eye(w.shape[1], dtype=w.dtype))
+    )
     return Factor(up=up, down=down, singular_values=s, kept=s[:rank])
 
 
@@ -70,7 +80,11 @@ def _weighted_pairs(weight, n_kv_heads, pair_weight, moment):
 
 
 def weighted_rope_factor(
-    weight: torch.Tensor, n_kv_heads: int, rank: int, pair_weight: torch.Tensor | None = None, moment: torch.Tensor | None = None
+    weight: torch.Tensor,
+    n_kv_heads: int,
+    rank: int,
+    pair_weight: torch.Tensor | None = None,
+    moment: torch.Tensor | None = None,
 ) -> Factor:
     """Rank-`rank` RoPE key latent (per-frequency complex, see `rope_factor`) under the weighted error.
 

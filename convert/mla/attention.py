@@ -46,8 +46,16 @@ class MLAAttention(nn.Module):
     bias), mla: the `mla` section (layout, latent, n_heads, head_dim, …).
     """
 
-    def __init__(self, hidden_size: int, mla: dict, layer: dict, layer_idx: int, rotary=None, causal: bool = True,
-                 sliding_window: int | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        mla: dict,
+        layer: dict,
+        layer_idx: int,
+        rotary=None,
+        causal: bool = True,
+        sliding_window: int | None = None,
+    ):
         super().__init__()
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window  # used only when no mask is passed in

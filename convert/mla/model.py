@@ -25,7 +25,9 @@ def read_mla_config(path) -> dict:
         raise ConvertError(f"{path} has no config.json; point at a directory written by `convert gqa2mla`")
     config = json.loads(config_path.read_text())
     if "mla" not in config:
-        raise ConvertError(f"{config_path} has no `mla` section; it is not a converted checkpoint (run `convert gqa2mla` first)")
+        raise ConvertError(
+            f"{config_path} has no `mla` section; it is not a converted checkpoint (run `convert gqa2mla` first)"
+        )
     return config
 
 

@@ -50,7 +50,12 @@ def _versions() -> dict:
 
     from convert import __version__
 
-    return {"convert": __version__, "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+    return {
+        "convert": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def verify_paths(
@@ -79,7 +84,11 @@ def verify_paths(
         ids = _token_ids(text, orig, config, tokens, runnable)
         bar = lambda it: tqdm(it, desc="verifying", unit="layer", disable=None if progress else True)  # noqa: E731
         t0 = time.perf_counter()
-        layers = check_hf_layers(run, ids if text else None, tokens, bar) if runnable else check_seed_layers(run, tokens, bar)
+        layers = (
+            check_hf_layers(run, ids if text else None, tokens, bar)
+            if runnable
+            else check_seed_layers(run, tokens, bar)
+        )
         timings = {"layers_s": time.perf_counter() - t0}
         e2e, skipped = None, "the source architecture has no transformers causal LM" if not runnable else None
         if runnable:
@@ -104,9 +113,20 @@ def verify_paths(
         "end_to_end": e2e,
         "end_to_end_skipped": skipped,
         "inputs": inputs,
-        "options": {"text": str(text) if text else None, "tokens": tokens, "device": device, "dtype": dtype, "max_ppl_ratio": max_ppl_ratio},
+        "options": {
+            "text": str(text) if text else None,
+            "tokens": tokens,
+            "device": device,
+            "dtype": dtype,
+            "max_ppl_ratio": max_ppl_ratio,
+        },
         "versions": _versions(),
-        "device": {"type": run_device.type, "name": torch.cuda.get_device_name(run_device) if run_device.type == "cuda" else platform.processor() or "cpu"},
+        "device": {
+            "type": run_device.type,
+            "name": torch.cuda.get_device_name(run_device)
+            if run_device.type == "cuda"
+            else platform.processor() or "cpu",
+        },
         "dtype": dtype,
         "timings": timings,
     }
@@ -130,6 +150,12 @@ def _text_input(text, ids) -> dict | None:
 def verify(src, converted_dir, opts) -> dict:
     """Verification as `gqa2mla` runs it, from its options."""
     return verify_paths(
-        src, converted_dir, text=opts.text, tokens=opts.tokens, device=opts.device, dtype=opts.dtype,
-        max_ppl_ratio=opts.max_ppl_ratio, progress=opts.progress,
+        src,
+        converted_dir,
+        text=opts.text,
+        tokens=opts.tokens,
+        device=opts.device,
+        dtype=opts.dtype,
+        max_ppl_ratio=opts.max_ppl_ratio,
+        progress=opts.progress,
     )

@@ -69,7 +69,11 @@ def compare_models(ref_model, mla_model, ids: torch.Tensor, window: int = 1024) 
             kl = (logp_ref.exp() * (logp_ref - logp_got)).sum(-1)  # (L,)
             diff = got - ref
             sq_diff, sq_ref = sq_diff + float(diff.square().sum()), sq_ref + float(ref.square().sum())
-            max_abs, kl_sum, kl_max = max(max_abs, float(diff.abs().max())), kl_sum + float(kl.sum()), max(kl_max, float(kl.max()))
+            max_abs, kl_sum, kl_max = (
+                max(max_abs, float(diff.abs().max())),
+                kl_sum + float(kl.sum()),
+                max(kl_max, float(kl.max())),
+            )
             agree += float((ref.argmax(-1) == got.argmax(-1)).sum())
             if chunk.shape[-1] > 1:
                 nll_ref.append(_nll(ref, chunk))

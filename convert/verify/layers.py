@@ -37,7 +37,7 @@ class LayerRun:
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     """(relative Frobenius error, max abs error), computed in float64."""
-    diff = (got.double() - ref.double())
+    diff = got.double() - ref.double()
     norm = ref.double().norm()
     return float(diff.norm() / norm) if norm > 0 else float(diff.norm()), float(diff.abs().max())
 
@@ -78,7 +78,13 @@ def check_seed_layers(run: LayerRun, n_tokens: int, progress) -> list[dict]:
     results = []
     for layer in progress(range(mla["n_layers"])):
         d, hidden = mla["head_dim"], mla["hidden_size"]
-        reference = load_module(MyGQA(hidden, hidden, d, d, mla["n_heads"], mla["n_kv_heads"]), run.original, run.prefix(layer), run.device, run.dtype)
+        reference = load_module(
+            MyGQA(hidden, hidden, d, d, mla["n_heads"], mla["n_kv_heads"]),
+            run.original,
+            run.prefix(layer),
+            run.device,
+            run.dtype,
+        )
         x = torch.randn(1, n_tokens, hidden, generator=generator).to(run.device, run.dtype)
         with torch.no_grad():
             ref = reference(x, x)

@@ -60,7 +60,9 @@ def failures(layers: list[dict], e2e: dict | None, limits: dict) -> list[str]:
         if not e2e["logits_rel_error"] <= limits["logits_rel_error"]:
             found.append(f"logits relative error {e2e['logits_rel_error']:.3e} > {limits['logits_rel_error']:.0e}")
         if not abs(e2e["ppl_ratio"] - 1) <= limits["ppl_rel_diff"]:
-            found.append(f"perplexity {e2e['ppl_original']:.6g} -> {e2e['ppl_converted']:.6g} differs by more than {limits['ppl_rel_diff']:.0e}")
+            found.append(
+                f"perplexity {e2e['ppl_original']:.6g} -> {e2e['ppl_converted']:.6g} differs by more than {limits['ppl_rel_diff']:.0e}"
+            )
         if not e2e["top1_agreement"] >= limits["top1_agreement"]:
             found.append(f"top-1 agreement {e2e['top1_agreement']:.4f} < {limits['top1_agreement']}")
     return found
@@ -80,7 +82,12 @@ def render_markdown(report: dict) -> str:
         "",
     ]
     lines += [f"- **FAIL**: {f}" for f in report["failures"]] + ([""] if report["failures"] else [])
-    lines += ["## Per layer", "", "| layer | ranks | rel. error | max abs error | retained energy |", "|---:|---|---:|---:|---|"]
+    lines += [
+        "## Per layer",
+        "",
+        "| layer | ranks | rel. error | max abs error | retained energy |",
+        "|---:|---|---:|---:|---|",
+    ]
     for r in report["layers"]:
         ranks = ", ".join(f"{k.removeprefix('rank_')}={v}" for k, v in r["ranks"].items())
         energy = ", ".join(f"{k}={v:.6f}" for k, v in (r["retained_energy"] or {}).items())
@@ -107,9 +114,18 @@ def _e2e_lines(report: dict) -> list[str]:
         ("logits relative error", f"{e2e['logits_rel_error']:.3e}"),
         ("KL(original ‖ converted), mean / max", f"{e2e['kl_mean']:.3e} / {e2e['kl_max']:.3e}"),
         ("top-1 agreement", f"{e2e['top1_agreement']:.4%}"),
-        ("perplexity original → converted", f"{e2e['ppl_original']:.6g} → {e2e['ppl_converted']:.6g} (×{e2e['ppl_ratio']:.6f})"),
-        ("greedy tokens identical", "yes" if e2e["greedy_match"] else f"no: {e2e['greedy_original']} vs {e2e['greedy_converted']}"),
-        ("KV cache bytes/token original → converted", f"{e2e['kv_cache_bytes_per_token_original']:.0f} → {e2e['kv_cache_bytes_per_token_converted']:.0f}"),
+        (
+            "perplexity original → converted",
+            f"{e2e['ppl_original']:.6g} → {e2e['ppl_converted']:.6g} (×{e2e['ppl_ratio']:.6f})",
+        ),
+        (
+            "greedy tokens identical",
+            "yes" if e2e["greedy_match"] else f"no: {e2e['greedy_original']} vs {e2e['greedy_converted']}",
+        ),
+        (
+            "KV cache bytes/token original → converted",
+            f"{e2e['kv_cache_bytes_per_token_original']:.0f} → {e2e['kv_cache_bytes_per_token_converted']:.0f}",
+        ),
         ("parameters original → converted", f"{e2e['params_original']:,} → {e2e['params_converted']:,}"),
     ]
     return ["## End to end", "", "| check | value |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
