@@ -9,7 +9,7 @@ Python API:
 __version__ = "0.1.0"
 
 from convert.api import ConversionResult, MLAStateDict, convert_state_dict, gqa2mla  # noqa: E402
-from convert.errors import ConvertError, VerificationFailed  # noqa: E402
+from convert.errors import ConvertError, EnvironmentFailure  # noqa: E402
 from convert.options import ConvertOptions  # noqa: E402
 
 
@@ -24,8 +24,8 @@ __all__ = [
     "ConversionResult",
     "ConvertError",
     "ConvertOptions",
+    "EnvironmentFailure",
     "MLAStateDict",
-    "VerificationFailed",
     "convert_state_dict",
     "gqa2mla",
     "load_mla_model",
