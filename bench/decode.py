@@ -61,14 +61,14 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
     import convert
-    from convert.mla import MLAAttention
+    from convert.errors import ConvertError
+    from convert.mla import build_mla_attention, layer_tensors
+    from convert.options import resolve_device
 
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            parser.error("--device cuda: torch sees no CUDA device")
+    try:
+        device = resolve_device(args.device)
+    except ConvertError as err:
+        parser.error(str(err))
     dtype = torch.float32
     cuda = device.type == "cuda"
 
@@ -100,12 +100,8 @@ def main(argv=None) -> int:
             continue
         converted = convert.convert_state_dict(model.state_dict(), config, layout=layout)
         mla = converted.config["mla"]
-        prefix = mla["layer_prefix"].format(i=i)
-        tensors = {k[len(prefix) :]: v for k, v in converted.items() if k.startswith(prefix)}
-        module = MLAAttention(mla["hidden_size"], mla, mla["layers"][i], i, rotary=rotary, causal=mla["causal"])
-        module = module.to(dtype)
-        module.load_state_dict(tensors, strict=True)
-        modules[f"mla-{layout}"] = module.to(device).eval()
+        module = build_mla_attention(mla, i, layer_tensors(converted, mla, i), rotary=rotary, dtype=dtype)
+        modules[f"mla-{layout}"] = module.to(device)
         mla_info[layout] = {k: v for k, v in mla["layers"][i].items() if k.startswith("rank")}
         del converted
     variants = [v for v in VARIANTS if v in modules]

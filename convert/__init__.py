@@ -6,11 +6,10 @@ Python API:
     load_mla_model(path, device=None, dtype=None) -> a transformers causal LM
 """
 
-__version__ = "0.1.0"
-
-from convert.api import ConversionResult, MLAStateDict, convert_state_dict, gqa2mla  # noqa: E402
-from convert.errors import ConvertError, EnvironmentFailure  # noqa: E402
-from convert.options import ConvertOptions  # noqa: E402
+from convert._version import __version__  # noqa: F401  (the public version)
+from convert.api import ConversionResult, MLAStateDict, convert_state_dict, gqa2mla
+from convert.errors import ConvertError, EnvironmentFailure
+from convert.options import ConvertOptions
 
 
 def load_mla_model(path, device=None, dtype=None):

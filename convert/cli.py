@@ -1,9 +1,14 @@
-"""The `convert` command line: a thin click shim over `convert.api`.
+"""The `convert` command line: a thin click shim over `convert.api` and `convert.verify`.
 
-Every flag maps to one field of `ConvertOptions`. Bad input prints one line
-and exits 2; a verification FAIL exits 1; success exits 0.
+Every flag is built from a field of `ConvertOptions` / `VerifyOptions`
+(`convert.options`): declared once, so the CLI and the API take the same
+options. Exit codes (README, "Exit codes"): 0 PASS, 1 verification FAIL, 2 bad
+input or usage, 3 environment or I/O, 130 interrupted — each with one line on
+stderr.
 """
 
+import errno
+import logging
 import sys
 from functools import wraps
 from pathlib import Path
@@ -11,57 +16,86 @@ from pathlib import Path
 import click
 
 from convert.errors import ConvertError
+from convert.options import ConvertOptions, VerifyOptions, cli_fields, field_default
 
-DEVICE_HELP = "Where verification runs: auto = CUDA when present, else CPU."
+EXIT_CODES = """\b
+Exit codes:
+  0    PASS (or converted with --no-verify)
+  1    verification FAIL (the output and its report are kept)
+  2    bad input or usage: one line naming the file/field and the fix; nothing written
+  3    environment or I/O: disk full, permission, read-only, name too long, output locked
+  130  interrupted (Ctrl-C); a previous output is left intact
+"""
+
+
+def _click_option(f):
+    """The click option of one options field."""
+    meta, name = f.metadata, f.name
+    default = field_default(f)
+    if meta["off_flag"]:  # a boolean that the flag switches off
+        decls = [d for d in (meta["short"], meta["off_flag"]) if d]
+        return click.option(*decls, name, is_flag=True, flag_value=not default, default=default, help=meta["help"])
+    decls = [d for d in (meta["short"], meta["flag"] or "--" + name.replace("_", "-")) if d]
+    if isinstance(default, bool):
+        return click.option(*decls, name, is_flag=True, default=default, help=meta["help"])
+    kind = click.Choice(meta["choices"]) if meta["choices"] else (meta["kind"] or type(default))
+    if kind is Path:
+        kind = click.Path(path_type=Path)
+    return click.option(*decls, name, type=kind, default=default, show_default=default is not None, help=meta["help"])
+
+
+def options_of(cls):
+    """Decorate a click command with one option per CLI field of `cls`."""
+
+    def decorate(fn):
+        for f in reversed(cli_fields(cls)):
+            fn = _click_option(f)(fn)
+        return fn
+
+    return decorate
 
 
 def _exits_cleanly(fn):
-    """Turn ConvertError into one line on stderr and exit code 2."""
+    """Every failure as one line on stderr and its exit code (the table in EXIT_CODES)."""
 
     @wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except ConvertError as err:
-            click.echo(f"error: {err}", err=True)
-            sys.exit(ConvertError.exit_code)
+            _fail(str(err), err.exit_code)
+        except KeyboardInterrupt:
+            _fail("interrupted; nothing was written (a previous output is intact)", 130)
+        except OSError as err:
+            _fail(_os_error_line(err), 3)
 
     return wrapper
 
 
-def verify_options(fn):
-    """The flags shared by `gqa2mla` (its verification step) and `verify`."""
-    for decorator in reversed(
-        [
-            click.option(
-                "--text",
-                type=click.Path(path_type=Path),
-                help="Real text to verify on (UTF-8); default: random tokens and hidden states.",
-            ),
-            click.option(
-                "--tokens", type=int, default=256, show_default=True, help="Tokens of --text (or random) to verify on."
-            ),
-            click.option(
-                "--device",
-                type=click.Choice(["auto", "cpu", "cuda"]),
-                default="auto",
-                show_default=True,
-                help=DEVICE_HELP,
-            ),
-            click.option(
-                "--dtype",
-                type=click.Choice(["float64", "float32", "bfloat16", "float16"]),
-                default="float64",
-                show_default=True,
-                help="Precision of the verification run; thresholds follow it.",
-            ),
-        ]
-    ):
-        fn = decorator(fn)
-    return fn
+def _fail(message: str, code: int):
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _os_error_line(err: OSError) -> str:
+    fixes = {
+        errno.ENOSPC: "free some space or write elsewhere (-o)",
+        errno.EACCES: "check the permissions, or write elsewhere (-o)",
+        errno.EROFS: "the file system is read-only: write elsewhere (-o)",
+        errno.ENAMETOOLONG: "choose a shorter output name",
+    }
+    where = f" ({err.filename})" if err.filename else ""
+    return f"{err.strerror or err}{where}; {fixes.get(err.errno, 'check the disk and the paths, then retry')}"
+
+
+class _NoteHandler(logging.Handler):
+    """The package's warnings (e.g. stale temporaries removed) as `note:` lines on stderr."""
+
+    def emit(self, record):
+        click.echo(f"note: {record.getMessage()}", err=True)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES)
 @click.version_option(package_name="convert", message="%(version)s")
 def main():
     """Convert Grouped-Query-Attention checkpoints to Multi-head Latent Attention.
@@ -69,78 +103,22 @@ def main():
     \b
     convert gqa2mla MODEL        convert (exactly, by default) and verify
     convert verify ORIG CONV     re-check a converted checkpoint
+    (`convert-mla` is the same command, for machines where ImageMagick's
+    `convert` comes first on PATH; `python cli.py` from a checkout.)
     """
+    logger = logging.getLogger("convert")
+    if not any(isinstance(h, _NoteHandler) for h in logger.handlers):
+        logger.addHandler(_NoteHandler(level=logging.WARNING))
 
 
-@main.command()
+@main.command(epilog=EXIT_CODES)
 @click.argument("src", type=click.Path(path_type=Path))
 @click.option(
     "-o", "--output", type=click.Path(path_type=Path), help="Output directory (default: <name>-mla beside the input)."
 )
-@click.option("--force", is_flag=True, help="Replace the output directory if it exists.")
-@click.option("--arch", help="Architecture when there is no config.json: llama, mistral, qwen2, seed.")
-@click.option("--n-heads", type=int, help="Query heads H (only when config.json lacks them).")
-@click.option("--n-kv-heads", type=int, help="Key/value heads G (only when config.json lacks them).")
-@click.option("--head-dim", type=int, help="Head dim d (default: inferred from the shapes).")
-@click.option(
-    "--head-map",
-    type=click.Choice(["grouped", "tiled"]),
-    help="Which K/V head each query head reads: grouped = h // (H/G) (Hugging Face), tiled = h mod G (the seed). Default: the architecture's.",
-)
-@click.option(
-    "--latent",
-    type=click.Choice(["split", "joint"]),
-    default="split",
-    show_default=True,
-    help="split: separate K and V latents; joint: one shared latent (keys without RoPE only).",
-)
-@click.option(
-    "--layout",
-    type=click.Choice(["absorbed", "factored"]),
-    default="absorbed",
-    show_default=True,
-    help="absorbed: Ŵ^Q/Ŵ^O over the latent (MQA, head dim r); factored: keep W^Q, W^UK, W^UV, W^O.",
-)
-@click.option(
-    "--rank",
-    type=int,
-    help="Latent dims per latent (default: the exact rank; lower compresses the KV cache, lossy; or use --kv-cache-ratio).",
-)
-@click.option(
-    "--kv-cache-ratio", type=float, help="Compress: keep this fraction of the GQA KV cache (e.g. 0.5); lossy."
-)
-@click.option(
-    "--method",
-    type=click.Choice(["svd", "whitened", "fisher"]),
-    help="Compression: plain weight SVD; activation-whitened SVD; whitened + weighted by the loss's Fisher information of each key/value output (fisher: one backward pass of the whole model on --calib). Default: fisher with --calib, else svd.",
-)
-@click.option(
-    "--allocation",
-    type=click.Choice(["uniform", "global"]),
-    help="Compression: same rank in every latent, or spend the budget across layers and K/V by weighted energy. Default: global for fisher.",
-)
-@click.option(
-    "--calib",
-    type=click.Path(path_type=Path),
-    help="Compression: real text to calibrate on (UTF-8); use a different text for --text.",
-)
-@click.option("--calib-tokens", type=int, default=4096, show_default=True, help="Tokens of --calib to use.")
-@click.option(
-    "--max-ppl-ratio",
-    type=float,
-    help="Lossy conversions: FAIL when converted/original perplexity on --text exceeds this.",
-)
-@click.option(
-    "--max-shard-size",
-    default="5GB",
-    show_default=True,
-    help="Start a new safetensors shard above this many bytes (e.g. 500MB, 5GB, 2GiB).",
-)
-@click.option("--no-verify", is_flag=True, help="Skip verification (no report is written).")
-@verify_options
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary.")
+@options_of(ConvertOptions)
 @_exits_cleanly
-def gqa2mla(src, output, quiet, no_verify, **flags):
+def gqa2mla(src, output, **options):
     """Convert the GQA checkpoint SRC (a .safetensors file, a sharded directory or a
     Hugging Face model directory) into an MLA checkpoint directory.
 
@@ -151,8 +129,8 @@ def gqa2mla(src, output, quiet, no_verify, **flags):
     """
     from convert.api import gqa2mla as run
 
-    result = run(src, output, progress=not quiet, verify=not no_verify, **flags)
-    if not quiet:
+    result = run(src, output, **options)
+    if options["progress"]:
         _summary(result)
     sys.exit(0 if result.passed in (None, True) else 1)
 
@@ -171,27 +149,23 @@ def _summary(result) -> None:
         click.echo(f"verification: {result.report['verdict']} ({result.output / 'verification.md'})")
 
 
-@main.command()
+@main.command(epilog=EXIT_CODES)
 @click.argument("original", type=click.Path(path_type=Path))
 @click.argument("converted", type=click.Path(path_type=Path))
-@verify_options
-@click.option(
-    "--max-ppl-ratio", type=float, help="Fail when converted/original perplexity exceeds this (lossy conversions)."
-)
 @click.option(
     "--report-dir", type=click.Path(path_type=Path), help="Write verification.json/.md here (default: print only)."
 )
-@click.option("-q", "--quiet", is_flag=True, help="Print only the verdict.")
+@options_of(VerifyOptions)
 @_exits_cleanly
-def verify(original, converted, report_dir, quiet, **flags):
+def verify(original, converted, report_dir, **options):
     """Check CONVERTED (an MLA directory) against ORIGINAL (the GQA checkpoint):
-    per layer and, for runnable architectures, end to end. Exit 0 PASS, 1 FAIL, 2 bad input."""
+    per layer and, for runnable architectures, end to end."""
     from convert.verify import render_markdown, verify_paths, write_report
 
-    report = verify_paths(original, converted, **flags)
+    report = verify_paths(original, converted, **options)
     if report_dir is not None:
         write_report(report, report_dir)
-    click.echo(report["verdict"] if quiet else render_markdown(report))
+    click.echo(render_markdown(report) if options["progress"] else report["verdict"])
     sys.exit(0 if report["verdict"] == "PASS" else 1)
 
 

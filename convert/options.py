@@ -1,73 +1,175 @@
-"""The options of a conversion: one field per CLI flag."""
+"""The options of a conversion and of a verification, declared once.
 
-from dataclasses import dataclass, fields
+Each field carries its CLI flag, help text and choices as metadata; `convert.cli`
+builds its click options from these fields, so the CLI and the Python API cannot
+drift apart (tests/test_cli_parity.py checks it). `VerifyOptions` are the fields
+`convert verify` takes; `ConvertOptions` adds those of `convert gqa2mla`.
+"""
+
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+
+import torch
 
 from convert.errors import ConvertError
 
 LAYOUTS = ("absorbed", "factored")
 LATENTS = ("split", "joint")
+HEAD_MAPS = ("grouped", "tiled")
 DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("float32", "float64", "bfloat16", "float16")
 METHODS = ("svd", "whitened", "fisher")
 ALLOCATIONS = ("uniform", "global")
+TORCH_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DTYPES = tuple(TORCH_DTYPES)
+
+
+def option(
+    default,
+    help: str,
+    *,
+    choices=None,
+    flag: str | None = None,
+    short: str | None = None,
+    off_flag: str | None = None,
+    kind=None,
+    cli: bool = True,
+):
+    """A dataclass field with its CLI description.
+
+    flag: the long flag (default `--field-name`); off_flag: for a boolean whose
+    CLI flag switches it off (`verify` <- `--no-verify`); kind: the click value
+    type when it differs from the default's (Path, int, float, str).
+    """
+    meta = {
+        "help": help,
+        "choices": choices,
+        "flag": flag,
+        "short": short,
+        "off_flag": off_flag,
+        "kind": kind,
+        "cli": cli,
+    }
+    return field(default=default, metadata=meta)
 
 
 @dataclass
-class ConvertOptions:
-    """Everything `gqa2mla` can be told. Defaults give the exact conversion.
+class VerifyOptions:
+    """How verification runs: on which inputs, where, in which precision, and how a lossy
+    conversion is judged. Every field is a flag of `convert verify` and `convert gqa2mla`."""
 
-    Model description (only needed for a bare file without config.json):
-      arch, n_heads, n_kv_heads, head_dim.
-    Math: head_map (grouped|tiled, default from the architecture), latent
-      (split|joint), layout (absorbed|factored), rank (latent dims per latent;
-      None = exact).
-    Compression (below the exact rank, lossy): kv_cache_ratio (fraction of the
-      GQA cache to keep) or rank; method (svd|whitened|fisher; default
-      fisher with calib, else svd); allocation (uniform|global; default global
-      for fisher); calib (a text file, or token ids (1, N) from the API), calib_tokens.
-    Output: max_shard_size (bytes or "5GB"), force (replace an existing output),
-      progress (a progress bar on a terminal).
-    Verification: verify, text (a text file; else random inputs), tokens,
-      device (auto|cpu|cuda), dtype (of the verification run; default float64),
-      max_ppl_ratio (how a lossy conversion is judged: perplexity on `text`).
-    """
-
-    arch: str | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    head_dim: int | None = None
-    head_map: str | None = None
-    latent: str = "split"
-    layout: str = "absorbed"
-    rank: int | None = None
-    kv_cache_ratio: float | None = None
-    method: str | None = None
-    allocation: str | None = None
-    calib: Path | None = None
-    calib_tokens: int = 4096
-    max_shard_size: int | str = "5GB"
-    force: bool = False
-    progress: bool = True
-    verify: bool = True
-    text: Path | None = None
-    tokens: int = 256
-    device: str = "auto"
-    dtype: str = "float64"
-    max_ppl_ratio: float | None = None
+    text: Path | None = option(
+        None, "Real text to verify on (UTF-8); default: random tokens and hidden states.", kind=Path
+    )
+    tokens: int = option(256, "Tokens of --text (or random) to verify on.")
+    device: str = option("auto", "Where verification runs: auto = CUDA when present, else CPU.", choices=DEVICES)
+    dtype: str = option("float64", "Precision of the verification run; thresholds follow it.", choices=DTYPES)
+    max_ppl_ratio: float | None = option(
+        None, "Lossy conversions: FAIL when converted/original perplexity on --text exceeds this.", kind=float
+    )
+    progress: bool = option(True, "No progress bar or summary.", flag="--quiet", short="-q", off_flag="--quiet")
 
     def __post_init__(self) -> None:
-        _choice("--layout", self.layout, LAYOUTS)
-        _choice("--latent", self.latent, LATENTS)
         _choice("--device", self.device, DEVICES)
         _choice("--dtype", self.dtype, DTYPES)
+        if self.device == "cuda":
+            resolve_device(self.device)  # refuse now, before any work, when there is no CUDA
+        if self.tokens <= 1:
+            raise ConvertError(f"--tokens {self.tokens} must be at least 2")
+        if self.max_ppl_ratio is not None and not self.max_ppl_ratio > 0:
+            raise ConvertError(f"--max-ppl-ratio {self.max_ppl_ratio} must be a positive ratio (e.g. 1.2)")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return resolve_device(self.device)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs):
+        """Build from keyword options, refusing unknown names with the list of known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+
+@dataclass
+class ConvertOptions(VerifyOptions):
+    """Everything `gqa2mla` can be told. Defaults give the exact conversion, verified.
+
+    Model description (only for a bare file without config.json): arch, n_heads,
+    n_kv_heads, head_dim. Math: head_map, latent, layout, rank. Compression (lossy):
+    kv_cache_ratio or rank; method, allocation, calib (a text file, or token ids
+    (1, N) from the API), calib_tokens. Output: max_shard_size, force. Verification:
+    verify and the `VerifyOptions` fields.
+    """
+
+    arch: str | None = option(None, "Architecture when there is no config.json: llama, mistral, qwen2, seed.", kind=str)
+    n_heads: int | None = option(None, "Query heads H (only when config.json lacks them).", kind=int)
+    n_kv_heads: int | None = option(None, "Key/value heads G (only when config.json lacks them).", kind=int)
+    head_dim: int | None = option(None, "Head dim d (default: inferred from the shapes).", kind=int)
+    head_map: str | None = option(
+        None,
+        "Which K/V head each query head reads: grouped = h // (H/G) (Hugging Face), tiled = h mod G (the seed). "
+        "Default: the architecture's.",
+        choices=HEAD_MAPS,
+    )
+    latent: str = option(
+        "split", "split: separate K and V latents; joint: one shared latent (keys without RoPE only).", choices=LATENTS
+    )
+    layout: str = option(
+        "absorbed",
+        "absorbed: Ŵ^Q/Ŵ^O over the latent (MQA, head dim r); factored: keep W^Q, W^UK, W^UV, W^O.",
+        choices=LAYOUTS,
+    )
+    rank: int | None = option(
+        None, "Latent dims per latent (default: the exact rank; lower compresses the KV cache, lossy).", kind=int
+    )
+    kv_cache_ratio: float | None = option(
+        None, "Compress: keep this fraction of the GQA KV cache (e.g. 0.5); lossy.", kind=float
+    )
+    method: str | None = option(
+        None,
+        "Compression: plain weight SVD; activation-whitened SVD; whitened + weighted by the loss's Fisher "
+        "information of each key/value output (one backward pass of the whole model on --calib). "
+        "Default: fisher with --calib, else svd.",
+        choices=METHODS,
+    )
+    allocation: str | None = option(
+        None,
+        "Compression: the same rank in every latent, or spend the budget across layers and K/V by weighted "
+        "energy. Default: global for fisher.",
+        choices=ALLOCATIONS,
+    )
+    calib: Path | None = option(
+        None, "Compression: real text to calibrate on (UTF-8); use a different text for --text.", kind=Path
+    )
+    calib_tokens: int = option(4096, "Tokens of --calib to use.")
+    max_shard_size: int | str = option(
+        "5GB", "Start a new safetensors shard above this many bytes (e.g. 500MB, 5GB, 2GiB).", kind=str
+    )
+    force: bool = option(False, "Replace the output directory if it exists (only one that convert wrote).")
+    verify: bool = option(True, "Skip verification (no report is written).", off_flag="--no-verify")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _choice("--layout", self.layout, LAYOUTS)
+        _choice("--latent", self.latent, LATENTS)
+        if self.head_map is not None:
+            _choice("--head-map", self.head_map, HEAD_MAPS)
         if self.rank is not None and self.rank <= 0:
             raise ConvertError(
                 f"--rank {self.rank} must be a positive number of latent dims (omit it for the exact rank)"
             )
         self._check_compression()
-        if self.tokens <= 1:
-            raise ConvertError(f"--tokens {self.tokens} must be at least 2")
 
     @property
     def lossy(self) -> bool:
@@ -118,14 +220,30 @@ class ConvertOptions:
                 "--text FILE and --max-ppl-ratio R (e.g. 1.2), or --no-verify"
             )
 
-    @classmethod
-    def from_kwargs(cls, **kwargs) -> "ConvertOptions":
-        """Build from keyword options, refusing unknown names with the list of known ones."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**kwargs)
+    def verify_options(self) -> VerifyOptions:
+        """The verification part of these options."""
+        return VerifyOptions(**{f.name: getattr(self, f.name) for f in fields(VerifyOptions)})
+
+
+def cli_fields(cls) -> list:
+    """The dataclass fields of `cls` that are CLI flags: its own first, then its base's
+    (so `gqa2mla --help` lists conversion flags before verification flags)."""
+    inherited = {f.name for base in cls.__mro__[1:] if hasattr(base, "__dataclass_fields__") for f in fields(base)}
+    ordered = [f for f in fields(cls) if f.name not in inherited] + [f for f in fields(cls) if f.name in inherited]
+    return [f for f in ordered if f.metadata.get("cli", False)]
+
+
+def field_default(f):
+    return None if f.default is MISSING else f.default
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto = CUDA when present, else CPU; an explicit cuda without one is refused."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConvertError("--device cuda: no CUDA device is visible to torch; use --device auto or cpu")
+    return torch.device(name)
 
 
 def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -6,41 +6,21 @@ machine's memory; here one layer is built, loaded lazily from the safetensors
 files, run on the captured hidden states, and dropped.
 """
 
-import importlib
-
 import torch
 
 from convert.arch import ARCHS
-from convert.mla.model import hf_config
-
-
-def hf_classes(arch_name: str) -> tuple[type, type, type]:
-    """transformers' (Attention, DecoderLayer, RotaryEmbedding) classes of the family."""
-    module_name, attention = ARCHS[arch_name].hf_attention.split(":")
-    module = importlib.import_module(module_name)
-    family = attention.removesuffix("Attention")
-    return (
-        getattr(module, attention),
-        getattr(module, f"{family}DecoderLayer"),
-        getattr(module, f"{family}RotaryEmbedding"),
-    )
+from convert.hf import causal_mask, hf_classes, hf_config
 
 
 def load_module(module: torch.nn.Module, checkpoint, prefix: str, device, dtype) -> torch.nn.Module:
     """Load the tensors under `prefix` into `module` (strictly) on `device`/`dtype`."""
-    state = {k[len(prefix) :]: checkpoint.get(k) for k in checkpoint.keys() if k.startswith(prefix)}
-    module.load_state_dict(state, strict=True)
+    module.load_state_dict(checkpoint_tensors(checkpoint, prefix), strict=True)
     return module.to(device=device, dtype=dtype).eval()
 
 
-def causal_mask(config, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """transformers' own mask for this layer (causal, sliding window where the layer has one)."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    layer_types = getattr(config, "layer_types", None)
-    sliding = layer_types[layer] == "sliding_attention" if layer_types else getattr(config, "sliding_window", None)
-    make = create_sliding_window_causal_mask if sliding else create_causal_mask
-    return make(config=config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=positions)
+def checkpoint_tensors(checkpoint, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors under `prefix`, named relative to it."""
+    return {k[len(prefix) :]: checkpoint.get(k) for k in checkpoint.keys() if k.startswith(prefix)}
 
 
 class LayerStream:
@@ -56,8 +36,7 @@ class LayerStream:
         self.checkpoint, self.device, self.dtype = checkpoint, device, dtype
         self.arch = ARCHS[config.get("mla", {}).get("source_architecture") or config["model_type"]]
         self.mask_config = hf_config(config)
-        self.ref_config = hf_config(config)
-        self.ref_config._attn_implementation = "sdpa"
+        self.ref_config = hf_config(config, attention="sdpa")
         self.attention_cls, self.decoder_cls, rotary_cls = hf_classes(self.arch.name)
         self.rotary = rotary_cls(self.ref_config).to(device)
 

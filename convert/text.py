@@ -21,9 +21,9 @@ def text_token_ids(
         raise ConvertError(f"{what} {text_path}: no such file; give a UTF-8 text file")
     text = Path(text_path).read_text(encoding="utf-8", errors="replace")
     if any((Path(model_root) / n).is_file() for n in TOKENIZER_FILES):
-        from transformers import AutoTokenizer
+        from convert.hf import load_tokenizer
 
-        ids = AutoTokenizer.from_pretrained(model_root)(text)["input_ids"]
+        ids = load_tokenizer(model_root)(text)["input_ids"]
     else:
         ids = [b % vocab_size for b in text.encode("utf-8")]
     if len(ids) < 2:

@@ -54,19 +54,6 @@ class LayerInfo:
         return entry
 
 
-def exact_ranks(spec: AttentionSpec, latent: str, layout: str, key_bias: bool) -> dict[str, int] | None:
-    """The exact latent sizes, known from shapes alone (None for joint: data-dependent)."""
-    if latent == "joint":
-        return None
-    in_k = spec.hidden_size + (1 if key_bias and spec.rope else 0)
-    rows = spec.n_kv_heads * spec.head_dim
-    if spec.rope and layout == "absorbed":
-        rank_k = spec.head_dim * min(spec.n_kv_heads, in_k)  # 2 · (d/2 freqs) · min(G, X) per freq
-    else:
-        rank_k = min(rows, in_k)
-    return {"rank_k": rank_k, "rank_v": min(rows, spec.hidden_size)}
-
-
 def with_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """(m, D) weight and (m,) bias -> (m, D+1): the affine map as a linear one on [y; 1]."""
     if bias is None:
@@ -177,37 +164,3 @@ def _layer_info(w, spec, key_f, value_f, affine, latent, layout, notes) -> Layer
         }
     freq = key_f.freq_index.tolist() if key_f.freq_index is not None else None
     return LayerInfo(ranks=ranks, retained_energy=energy, factor_error=errors, key_freq_index=freq, notes=notes)
-
-
-def output_shapes(
-    spec: AttentionSpec, ranks: dict[str, int], layout: str, biases: set[str]
-) -> dict[str, tuple[int, ...]]:
-    """Shapes of the tensors `convert_layer` returns, from ranks and source biases alone.
-
-    biases: which source biases exist, among "q", "k", "v", "o". Lets the writer
-    lay out every shard before any layer is converted.
-    """
-    hidden, inner, n_heads = spec.hidden_size, spec.n_heads * spec.head_dim, spec.n_heads
-    joint = "rank_kv" in ranks
-    rank_k = ranks["rank_kv"] if joint else ranks["rank_k"]
-    rank_v = ranks["rank_kv"] if joint else ranks["rank_v"]
-    shapes: dict[str, tuple[int, ...]] = {}
-    if joint:
-        shapes["kv_down.weight"] = (rank_k, hidden)
-    else:
-        shapes["k_down.weight"] = (rank_k, hidden)
-        if spec.rope and "k" in biases:
-            shapes["k_down.bias"] = (rank_k,)
-        shapes["v_down.weight"] = (rank_v, hidden)
-    q_name, o_name = ("q_absorbed", "o_absorbed") if layout == "absorbed" else ("q_proj", "o_proj")
-    q_rows = n_heads * rank_k if layout == "absorbed" else inner
-    o_cols = n_heads * rank_v if layout == "absorbed" else inner
-    shapes[f"{q_name}.weight"] = (q_rows, hidden)
-    if "q" in biases:
-        shapes[f"{q_name}.bias"] = (q_rows,)
-    if layout == "factored":
-        shapes |= {"k_up.weight": (inner, rank_k), "v_up.weight": (inner, rank_v)}
-    shapes[f"{o_name}.weight"] = (hidden, o_cols)
-    if biases & {"o", "v"}:
-        shapes[f"{o_name}.bias"] = (hidden,)
-    return shapes

@@ -105,24 +105,13 @@ def reference_attention(model, layer: int, inputs: dict) -> torch.Tensor:
     return out[0]
 
 
-def layer_prefix(mla: dict, layer: int) -> str:
-    return mla["layer_prefix"].format(i=layer)
-
 
 def mla_attention(converted, layer: int, dtype=None, rotary=None):
     """Build `MLAAttention` for `layer` from a converted state dict (with `.config`)."""
-    from convert.mla import MLAAttention
+    from convert.mla import build_mla_attention, layer_tensors
 
-    config = converted.config
-    mla = config["mla"]
-    prefix = layer_prefix(mla, layer)
-    tensors = {k[len(prefix) :]: v for k, v in converted.items() if k.startswith(prefix)}
-    module = MLAAttention(mla["hidden_size"], mla, mla["layers"][layer], layer, rotary=rotary, causal=mla["causal"])
-    # Cast before loading: load_state_dict copies into the parameters' dtype, and
-    # float64 tensors loaded into float32 parameters would be silently rounded.
-    module = module.to(dtype or next(iter(tensors.values())).dtype)
-    module.load_state_dict(tensors, strict=True)
-    return module.eval()
+    mla = converted.config["mla"]
+    return build_mla_attention(mla, layer, layer_tensors(converted, mla, layer), rotary=rotary, dtype=dtype)
 
 
 @torch.no_grad()
@@ -141,7 +130,7 @@ def converted_attention(converted, layer: int, inputs: dict, dtype) -> torch.Ten
 def seed_gqa(D: int, H: int, G: int, d: int, seed: int = 0, dtype=torch.float32, scale: float = 2.0):
     """The seed's MyGQA(D, D, d, d, H, G) with random weights large enough that
     attention is far from uniform (nn.Linear's default init nearly flattens it)."""
-    from seed_reference import MyGQA
+    from convert.verify.seed import MyGQA
 
     module = MyGQA(D, D, d, d, H, G)
     gen = torch.Generator().manual_seed(seed)

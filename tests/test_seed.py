@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import EXACT_TOL, mla_attention, rel_err, seed_gqa
-from seed_reference import GQA_2_MLA, MyMHA, reduced_matrices
+from convert.verify.seed import GQA_2_MLA, MyMHA, reduced_matrices
 
 import convert
 from convert.linalg import absorb_output, absorb_query, expand_groups, real_factor, tile_rows

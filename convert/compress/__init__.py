@@ -1,12 +1,12 @@
 """Compression below the exact rank: calibration, weighting, budget allocation (DESIGN §6).
 
-`plan_ranks` decides every layer's latent sizes for a KV-cache budget; the
-conversion then factors each layer with `layer_weighting`'s weights at those
+`uniform_ranks` and `allocate_global` decide the latent sizes for a KV-cache
+budget (the budget itself is `convert.plan`'s); the conversion then factors each layer with `layer_weighting`'s weights at those
 ranks (see `convert.transform.factor_layer`).
 """
 
 from convert.arch import AttentionSpec
-from convert.compress.allocate import Latent, allocate_global, budget_dims
+from convert.compress.allocate import Latent, allocate_global
 from convert.compress.calibrate import LayerStats, calibrate, fisher_calibrate
 from convert.compress.weights import METHODS, Weighting, layer_weighting
 from convert.linalg.weighted import pair_weighted_moment_spectrum, weighted_spectrum
@@ -19,8 +19,8 @@ __all__ = [
     "calibrate",
     "fisher_calibrate",
     "layer_weighting",
+    "allocate_global",
     "layer_latents",
-    "plan_ranks",
     "uniform_ranks",
 ]
 
@@ -41,20 +41,10 @@ def layer_latents(
     return [key, value]
 
 
-def uniform_ranks(spec: AttentionSpec, layout: str, ratio: float) -> dict:
-    """The same ranks in every layer, meeting round(ratio · 2·G·d) cache dims per layer exactly."""
-    per_layer = round(ratio * 2 * spec.n_kv_heads * spec.head_dim)
+def uniform_ranks(spec: AttentionSpec, layout: str, per_layer: int) -> dict:
+    """The ranks of one layer caching `per_layer` dims per token: half keys, half values
+    (keys rounded down to whole RoPE pairs in the absorbed layout)."""
     rank_k = per_layer // 2
     if spec.rope and layout == "absorbed":
-        rank_k -= rank_k % 2  # whole RoPE pairs
+        rank_k -= rank_k % 2
     return {"rank_k": rank_k, "rank_v": per_layer - rank_k}
-
-
-def plan_ranks(
-    latents: list[Latent], spec: AttentionSpec, layout: str, ratio: float, allocation: str, method: str
-) -> list[dict]:
-    """Per-layer ranks for a cache `ratio` of GQA's: uniform, or global by weighted energy."""
-    if allocation == "uniform":
-        return [uniform_ranks(spec, layout, ratio) for _ in range(spec.n_layers)]
-    budget = budget_dims(ratio, spec.n_layers, spec.n_kv_heads, spec.head_dim)
-    return allocate_global(latents, budget, normalize=method != "fisher")

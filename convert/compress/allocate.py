@@ -24,11 +24,6 @@ class Latent:
     minimum: int = 1  # components kept whatever the budget
 
 
-def budget_dims(ratio: float, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
-    """Cache dims per token (all layers) for keeping `ratio` of GQA's 2·G·d per layer."""
-    return round(ratio * n_layers * 2 * n_kv_heads * head_dim)
-
-
 def allocate_global(latents: list[Latent], budget: int, normalize: bool = True) -> list[dict]:
     """Ranks per layer, {"rank_k", "rank_v"}, spending exactly `budget` cache dims when possible.
 

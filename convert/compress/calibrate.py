@@ -14,7 +14,6 @@ class LayerStats:
 
     moment: torch.Tensor  # (D, D)
     mean: torch.Tensor  # (D,)
-    tokens: int
     key_fisher: torch.Tensor | None = None  # (G·d, G·d) E[g gᵀ], g = ∂loss/∂k (fisher_calibrate)
     value_fisher: torch.Tensor | None = None  # (G·d, G·d) E[g gᵀ], g = ∂loss/∂v
 
@@ -47,7 +46,7 @@ def calibrate(
     stats = []
     for _, x, _, _ in stream.run(rows, n_layers, progress):
         flat = x.reshape(-1, x.shape[-1]).double().cpu()  # (B·L, D)
-        stats.append(LayerStats(flat.T @ flat / flat.shape[0], flat.mean(0), flat.shape[0]))
+        stats.append(LayerStats(flat.T @ flat / flat.shape[0], flat.mean(0)))
     return stats
 
 
@@ -88,9 +87,8 @@ def fisher_calibrate(model, token_ids: torch.Tensor, window: int = 1024, progres
         LayerStats(
             a["moment"] / a["tokens"],
             a["sum"] / a["tokens"],
-            a["tokens"],
-            a["key"] / a["tokens"],
-            a["value"] / a["tokens"],
+            key_fisher=a["key"] / a["tokens"],
+            value_fisher=a["value"] / a["tokens"],
         )
         for a in acc
     ]

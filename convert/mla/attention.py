@@ -164,6 +164,44 @@ class MLAAttention(nn.Module):
         return self.rotary(x, positions)
 
 
+def build_mla_attention(
+    mla: dict,
+    layer: int,
+    tensors: dict[str, torch.Tensor] | None = None,
+    *,
+    rotary=None,
+    sliding_window: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> MLAAttention:
+    """Layer `layer`'s MLAAttention from the `mla` config section, with its converted tensors.
+
+    tensors: names relative to the layer's prefix (`k_down.weight`, …), loaded
+    strictly; None leaves the weights uninitialised. dtype: default the tensors'.
+    """
+    module = MLAAttention(
+        mla["hidden_size"],
+        mla,
+        mla["layers"][layer],
+        layer,
+        rotary=rotary,
+        causal=mla["causal"],
+        sliding_window=sliding_window,
+    )
+    dtype = dtype or (next(iter(tensors.values())).dtype if tensors else None)
+    # Cast before loading: load_state_dict copies into the parameters' dtype, so
+    # float64 tensors loaded into float32 parameters would be silently rounded.
+    module = module.to(dtype) if dtype is not None else module
+    if tensors is not None:
+        module.load_state_dict(tensors, strict=True)
+    return module.eval()
+
+
+def layer_tensors(state: dict[str, torch.Tensor], mla: dict, layer: int) -> dict[str, torch.Tensor]:
+    """One layer's converted tensors out of a whole state dict, named relative to its prefix."""
+    prefix = mla["layer_prefix"].format(i=layer)
+    return {name[len(prefix) :]: t for name, t in state.items() if name.startswith(prefix)}
+
+
 def _remember_positions(layer, positions: torch.Tensor, seq: int) -> torch.Tensor:
     """Positions (B, S) of the S keys this call attends to; the cache layer keeps
     those of the keys it stores (a sliding-window layer keeps only the last ones)."""

@@ -13,9 +13,9 @@ from safetensors import safe_open
 
 from convert.arch import ARCHS
 from convert.errors import ConvertError
-from convert.mla.attention import MLAAttention
-
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from convert.hf import build_causal_lm, load_strict
+from convert.mla.attention import build_mla_attention
+from convert.options import TORCH_DTYPES
 
 
 def read_mla_config(path) -> dict:
@@ -31,25 +31,13 @@ def read_mla_config(path) -> dict:
     return config
 
 
-def hf_config(config: dict, dtype: torch.dtype | None = None):
-    """A transformers config from a config.json dict, set up for eager attention."""
-    from transformers import AutoConfig
-
-    fields = {k: v for k, v in config.items() if k not in ("mla", "architectures", "transformers_version")}
-    hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    hf._attn_implementation = "eager"  # MLAAttention takes transformers' additive 4-D mask
-    if dtype is not None:
-        hf.dtype = dtype
-    return hf
-
-
 def _resolve_dtype(dtype, config: dict) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     name = dtype or config.get("dtype") or config.get("torch_dtype") or "float32"
-    if name not in DTYPES:
-        raise ConvertError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+    if name not in TORCH_DTYPES:
+        raise ConvertError(f"dtype {name!r} is not one of {', '.join(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
 
 
 def swap_attention(model, mla: dict) -> None:
@@ -58,8 +46,8 @@ def swap_attention(model, mla: dict) -> None:
     for i, layer in enumerate(inner.layers):
         old = layer.self_attn
         window = getattr(old, "sliding_window", None)
-        new = MLAAttention(mla["hidden_size"], mla, mla["layers"][i], i, rotary=inner.rotary_emb, sliding_window=window)
-        layer.self_attn = new.to(dtype=next(old.parameters()).dtype)
+        dtype = next(old.parameters()).dtype
+        layer.self_attn = build_mla_attention(mla, i, rotary=inner.rotary_emb, sliding_window=window, dtype=dtype)
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -69,23 +57,8 @@ def weight_files(path: Path) -> list[Path]:
     return [path / "model.safetensors"]
 
 
-def load_strict(model, state: dict, where) -> None:
-    """Load `state` into `model`: every tensor used, none missing but a tied lm_head."""
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    if unexpected or set(missing) - tied:
-        raise ConvertError(
-            f"{where}: weights do not fit the model (missing {sorted(set(missing) - tied)[:3]}, "
-            f"unexpected {sorted(unexpected)[:3]}); was it written by this version of convert?"
-        )
-    if tied:
-        model.tie_weights()
-
-
 def build_mla_model(config: dict, state: dict, dtype: torch.dtype = torch.float32):
     """An MLA causal LM from a converted config (with `mla`) and state dict, in memory."""
-    from transformers import AutoModelForCausalLM
-
     mla = config["mla"]
     arch = ARCHS.get(mla["source_architecture"])
     if arch is None or arch.hf_attention is None:
@@ -93,7 +66,7 @@ def build_mla_model(config: dict, state: dict, dtype: torch.dtype = torch.float3
             f"source architecture {mla['source_architecture']!r} has no runnable transformers model; "
             "use `convert verify` for per-layer checks"
         )
-    model = AutoModelForCausalLM.from_config(hf_config(config, dtype), dtype=dtype)
+    model = build_causal_lm(config, dtype)
     swap_attention(model, mla)
     load_strict(model, state, "converted weights")
     return model.eval()

@@ -13,24 +13,16 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from convert.errors import ConvertError
 from convert.io import open_checkpoint
-from convert.mla.model import DTYPES, read_mla_config
+from convert.mla.model import read_mla_config
+from convert.options import VerifyOptions
+from convert.plan import available_memory_bytes, whole_model_memory_bytes
 from convert.text import text_token_ids
-from convert.verify.e2e import end_to_end, fits_in_memory
+from convert.verify.e2e import end_to_end
 from convert.verify.layers import LayerRun, check_hf_layers, check_seed_layers
 from convert.verify.report import coarsest, failures, render_markdown, thresholds, write_report
 
 __all__ = ["render_markdown", "verify", "verify_paths", "write_report"]
-
-
-def resolve_device(name: str) -> torch.device:
-    """auto = CUDA when present, else CPU; an explicit cuda without one is refused."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConvertError("--device cuda: no CUDA device is visible to torch; use --device auto or cpu")
-    return torch.device(name)
 
 
 def _sha256(path: Path) -> str:
@@ -48,7 +40,7 @@ def _files(checkpoint) -> dict:
 def _versions() -> dict:
     import transformers
 
-    from convert import __version__
+    from convert._version import __version__
 
     return {
         "convert": __version__,
@@ -58,31 +50,25 @@ def _versions() -> dict:
     }
 
 
-def verify_paths(
-    original,
-    converted,
-    text=None,
-    tokens: int = 256,
-    device: str = "auto",
-    dtype: str = "float64",
-    max_ppl_ratio: float | None = None,
-    progress: bool = True,
-) -> dict:
+def verify_paths(original, converted, **options) -> dict:
     """Verify the MLA directory `converted` against the GQA checkpoint `original`.
 
-    Per layer always; end to end (logits, KL, top-1, perplexity, greedy
-    generation, cache bytes) when the architecture is a transformers causal LM
-    and both models fit in memory. Returns the report dict.
+    options: the fields of `VerifyOptions` (text, tokens, device, dtype,
+    max_ppl_ratio, progress). Per layer always; end to end (logits, KL, top-1,
+    perplexity, greedy generation, cache bytes) when the architecture is a
+    transformers causal LM and both models fit in memory. Returns the report dict.
     """
+    opts = VerifyOptions.from_kwargs(**options)
+    text, tokens, device, dtype, max_ppl_ratio = opts.text, opts.tokens, opts.device, opts.dtype, opts.max_ppl_ratio
     start = time.perf_counter()
-    run_device, run_dtype = resolve_device(device), DTYPES[dtype]
+    run_device, run_dtype = opts.torch_device, opts.torch_dtype
     config = read_mla_config(converted)
     mla = config["mla"]
     with open_checkpoint(original) as orig, open_checkpoint(converted) as conv:
         run = LayerRun(orig, conv, config, run_device, run_dtype)
         runnable = mla["source_architecture"] != "seed"
         ids = _token_ids(text, orig, config, tokens, runnable)
-        bar = lambda it: tqdm(it, desc="verifying", unit="layer", disable=None if progress else True)  # noqa: E731
+        bar = lambda it: tqdm(it, desc="verifying", unit="layer", disable=None if opts.progress else True)
         t0 = time.perf_counter()
         layers = (
             check_hf_layers(run, ids if text else None, tokens, bar)
@@ -92,7 +78,7 @@ def verify_paths(
         timings = {"layers_s": time.perf_counter() - t0}
         e2e, skipped = None, "the source architecture has no transformers causal LM" if not runnable else None
         if runnable:
-            fits, why = fits_in_memory(orig, run_device, run_dtype)
+            fits, why = _fits(orig, run_device, run_dtype)
             if fits:
                 t0 = time.perf_counter()
                 e2e = end_to_end(orig, converted, config, ids, run_device, run_dtype)
@@ -132,6 +118,14 @@ def verify_paths(
     }
 
 
+def _fits(orig, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether both whole models fit where they will run, by the plan's estimate."""
+    ckpt_dtype = orig.dtype(orig.keys()[0])
+    needed = whole_model_memory_bytes(orig.total_bytes(), ckpt_dtype, dtype)
+    available = available_memory_bytes(device)
+    return needed < available, f"needs ~{needed / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available"
+
+
 def _token_ids(text, orig, config: dict, tokens: int, runnable: bool) -> torch.Tensor | None:
     if not runnable:
         return None
@@ -148,14 +142,5 @@ def _text_input(text, ids) -> dict | None:
 
 
 def verify(src, converted_dir, opts) -> dict:
-    """Verification as `gqa2mla` runs it, from its options."""
-    return verify_paths(
-        src,
-        converted_dir,
-        text=opts.text,
-        tokens=opts.tokens,
-        device=opts.device,
-        dtype=opts.dtype,
-        max_ppl_ratio=opts.max_ppl_ratio,
-        progress=opts.progress,
-    )
+    """Verification as `gqa2mla` runs it, from its `ConvertOptions`."""
+    return verify_paths(src, converted_dir, **vars(opts.verify_options()))

@@ -3,35 +3,11 @@ of the original transformers model against the loaded MLA model."""
 
 import torch
 
+from convert.hf import load_original
 from convert.io import Checkpoint
-from convert.mla.model import cache_bytes_per_token, hf_config, load_mla_model, load_strict
+from convert.mla.model import cache_bytes_per_token, load_mla_model
 
 GREEDY_PROMPT, GREEDY_NEW = 8, 32
-
-
-def fits_in_memory(original: Checkpoint, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether both whole models fit where they will run (with headroom)."""
-    scale = torch.empty((), dtype=dtype).element_size() / max(1, original.dtype(original.keys()[0]).itemsize)
-    needed = 2.5 * original.total_bytes() * scale
-    if device.type == "cuda":
-        available = torch.cuda.mem_get_info(device)[0]
-    else:
-        import psutil
-
-        available = psutil.virtual_memory().available
-    return needed < available, f"needs ~{needed / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available"
-
-
-def load_original(original: Checkpoint, config: dict, device, dtype):
-    """The source model as transformers builds it, from the original files."""
-    from transformers import AutoModelForCausalLM
-
-    hf = hf_config({k: v for k, v in config.items() if k != "mla"}, dtype)
-    hf._attn_implementation = "sdpa"  # float64 stays float64 in the softmax
-    model = AutoModelForCausalLM.from_config(hf, dtype=dtype)
-    state = {name: original.get(name) for name in original.keys()}
-    load_strict(model, state, getattr(original, "path", "the original weights"))
-    return model.to(device).eval()
 
 
 def _nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from convert.io import Checkpoint
-from convert.mla.attention import MLAAttention
-from convert.stream import LayerStream, load_module
+from convert.mla.attention import MLAAttention, build_mla_attention
+from convert.stream import LayerStream, checkpoint_tensors, load_module
 from convert.verify.seed import MyGQA
 
 
@@ -43,9 +43,8 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 
 def _mla_module(run: LayerRun, layer: int, rotary=None) -> MLAAttention:
-    mla = run.mla
-    module = MLAAttention(mla["hidden_size"], mla, mla["layers"][layer], layer, rotary=rotary, causal=mla["causal"])
-    return load_module(module, run.converted, run.prefix(layer), run.device, run.dtype)
+    tensors = checkpoint_tensors(run.converted, run.prefix(layer))
+    return build_mla_attention(run.mla, layer, tensors, rotary=rotary, dtype=run.dtype).to(run.device)
 
 
 def check_hf_layers(run: LayerRun, token_ids: torch.Tensor | None, n_tokens: int, progress) -> list[dict]:

@@ -1,0 +1,126 @@
+"""The bridge to transformers: the one module that talks to its config, model and tokenizer classes.
+
+Everything else in the package works on plain config dicts and state dicts. Here:
+- `hf_config`: a transformers config from a config.json dict (our `mla` section dropped);
+- `hf_classes`, `causal_mask`: a family's own attention / decoder layer / rotary classes
+  and its mask, the references verification compares against;
+- `build_causal_lm`, `load_original`: the whole source model, as transformers builds it;
+- `meta_shapes`: every tensor's name, shape and dtype of a config's model, allocating nothing;
+- `load_tokenizer`: the model directory's own tokenizer.
+"""
+
+import importlib
+import re
+
+import torch
+
+from convert.arch import ARCHS
+from convert.io import Checkpoint
+
+# config.json keys that describe the file, not the model.
+_NOT_MODEL_FIELDS = ("mla", "architectures", "transformers_version")
+
+
+def hf_config(config: dict, dtype: torch.dtype | None = None, attention: str = "eager"):
+    """A transformers config from a config.json dict (a converted one's `mla` section is ignored).
+
+    attention: transformers' attention implementation. "eager" takes the additive
+    4-D mask MLAAttention takes too; "sdpa" keeps float64 in the softmax (eager
+    does it in float32), which a float64 reference needs.
+    """
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config.items() if k not in _NOT_MODEL_FIELDS}
+    hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    hf._attn_implementation = attention
+    if dtype is not None:
+        hf.dtype = dtype
+    return hf
+
+
+def hf_classes(arch_name: str) -> tuple[type, type, type]:
+    """transformers' (Attention, DecoderLayer, RotaryEmbedding) classes of the family."""
+    module_name, attention = ARCHS[arch_name].hf_attention.split(":")
+    module = importlib.import_module(module_name)
+    family = attention.removesuffix("Attention")
+    return (
+        getattr(module, attention),
+        getattr(module, f"{family}DecoderLayer"),
+        getattr(module, f"{family}RotaryEmbedding"),
+    )
+
+
+def causal_mask(config, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """transformers' own mask for this layer (causal, sliding window where the layer has one)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    layer_types = getattr(config, "layer_types", None)
+    sliding = layer_types[layer] == "sliding_attention" if layer_types else getattr(config, "sliding_window", None)
+    make = create_sliding_window_causal_mask if sliding else create_causal_mask
+    return make(config=config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=positions)
+
+
+def build_causal_lm(config: dict, dtype: torch.dtype, attention: str = "eager"):
+    """The config's causal LM with uninitialised weights (transformers' own class)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(hf_config(config, dtype, attention), dtype=dtype)
+
+
+def load_original(original: Checkpoint, config: dict, device, dtype):
+    """The source model as transformers builds it, with the original weights (SDPA attention)."""
+    model = build_causal_lm(config, dtype, attention="sdpa")
+    state = {name: original.get(name) for name in original.keys()}
+    load_strict(model, state, getattr(original, "path", "the original weights"))
+    return model.to(device).eval()
+
+
+def load_strict(model, state: dict, where) -> None:
+    """Load `state` into `model`: every tensor used, none missing but a tied lm_head."""
+    from convert.errors import ConvertError
+
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise ConvertError(
+            f"{where}: weights do not fit the model (missing {sorted(set(missing) - tied)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}); was it written by this version of convert?"
+        )
+    if tied:
+        model.tie_weights()
+
+
+def meta_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor of the config's model: name -> (shape, dtype), allocating nothing.
+
+    Builds one decoder layer on the meta device and repeats its names for every
+    layer (all layers of the supported families have the same tensors), so a
+    70B config takes milliseconds.
+    """
+    one_layer = {**config, "num_hidden_layers": 1}
+    one_layer.pop("layer_types", None)
+    dtype = _config_dtype(config)
+    with torch.device("meta"):
+        model = build_causal_lm(one_layer, dtype)
+    shapes = {}
+    for name, tensor in model.state_dict().items():
+        if ".layers.0." not in name:
+            shapes[name] = (tuple(tensor.shape), tensor.dtype)
+            continue
+        for layer in range(config["num_hidden_layers"]):
+            shapes[re.sub(r"\.layers\.0\.", f".layers.{layer}.", name, count=1)] = (tuple(tensor.shape), tensor.dtype)
+    if config.get("tie_word_embeddings"):
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def _config_dtype(config: dict) -> torch.dtype:
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return getattr(torch, name) if isinstance(getattr(torch, str(name), None), torch.dtype) else torch.float32
+
+
+def load_tokenizer(model_root):
+    """The tokenizer saved in a model directory."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_root)

@@ -1,0 +1,359 @@
+"""The conversion plan: every size of a conversion, decided once before a tensor is written.
+
+From the attention spec (config + shapes), the options and, below the exact
+rank, the calibration statistics: per layer the latent ranks and the output
+tensors' shapes; for the model the KV-cache size per token, the attention
+parameter counts and the memory estimates. This is the only place those
+formulas live: the writer lays out shards from `output_tensors`, the runtime
+and verification read the ranks from the config section built from it, the
+summary, report and benchmarks read `sizes`.
+
+`plan_for_config(config, **options)` plans a model from its config.json alone
+(tensor shapes from a meta-device model): real 70B configs in milliseconds,
+allocating nothing.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from convert import compress
+from convert.arch import AttentionSpec, resolve_attention
+from convert.errors import ConvertError
+from convert.linalg import numerical_rank
+from convert.options import ConvertOptions
+from convert.source import attention_names, check_layer, read_layer
+
+# Whole-model verification holds both models plus activations: this many times
+# the checkpoint (in the run's dtype).
+WHOLE_MODEL_FACTOR = 2.5
+
+
+# ------------------------------------------------------------------ formulas
+
+
+def gqa_cache_dims(spec: AttentionSpec) -> int:
+    """Values the GQA KV cache holds per token and layer: keys and values of G heads, 2·G·d."""
+    return 2 * spec.n_kv_heads * spec.head_dim
+
+
+def cache_dims(ranks: dict[str, int]) -> int:
+    """Values one MLA layer caches per token: r_K + r_V (split) or r (joint)."""
+    return ranks.get("rank_kv", 0) + ranks.get("rank_k", 0) + ranks.get("rank_v", 0)
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def exact_ranks(spec: AttentionSpec, latent: str, layout: str, key_bias: bool) -> dict[str, int] | None:
+    """The exact latent sizes, known from shapes alone (None for joint: data-dependent)."""
+    if latent == "joint":
+        return None
+    in_k = spec.hidden_size + (1 if key_bias and spec.rope else 0)
+    rows = spec.n_kv_heads * spec.head_dim
+    if spec.rope and layout == "absorbed":
+        rank_k = spec.head_dim * min(spec.n_kv_heads, in_k)  # 2 · (d/2 freqs) · min(G, X) per freq
+    else:
+        rank_k = min(rows, in_k)
+    return {"rank_k": rank_k, "rank_v": min(rows, spec.hidden_size)}
+
+
+def output_shapes(spec: AttentionSpec, ranks: dict[str, int], layout: str, biases: set[str]) -> dict[str, tuple]:
+    """Shapes of the tensors `convert_layer` returns, from ranks and source biases alone.
+
+    biases: which source biases exist, among "q", "k", "v", "o".
+    """
+    hidden, inner, n_heads = spec.hidden_size, spec.n_heads * spec.head_dim, spec.n_heads
+    joint = "rank_kv" in ranks
+    rank_k = ranks["rank_kv"] if joint else ranks["rank_k"]
+    rank_v = ranks["rank_kv"] if joint else ranks["rank_v"]
+    shapes: dict[str, tuple[int, ...]] = {}
+    if joint:
+        shapes["kv_down.weight"] = (rank_k, hidden)
+    else:
+        shapes["k_down.weight"] = (rank_k, hidden)
+        if spec.rope and "k" in biases:
+            shapes["k_down.bias"] = (rank_k,)
+        shapes["v_down.weight"] = (rank_v, hidden)
+    q_name, o_name = ("q_absorbed", "o_absorbed") if layout == "absorbed" else ("q_proj", "o_proj")
+    q_rows = n_heads * rank_k if layout == "absorbed" else inner
+    o_cols = n_heads * rank_v if layout == "absorbed" else inner
+    shapes[f"{q_name}.weight"] = (q_rows, hidden)
+    if "q" in biases:
+        shapes[f"{q_name}.bias"] = (q_rows,)
+    if layout == "factored":
+        shapes |= {"k_up.weight": (inner, rank_k), "v_up.weight": (inner, rank_v)}
+    shapes[f"{o_name}.weight"] = (hidden, o_cols)
+    if biases & {"o", "v"}:
+        shapes[f"{o_name}.bias"] = (hidden,)
+    return shapes
+
+
+def whole_model_memory_bytes(checkpoint_bytes: int, checkpoint_dtype: torch.dtype, run_dtype: torch.dtype) -> int:
+    """Memory that whole-model verification needs: both models and activations, in `run_dtype`."""
+    return int(WHOLE_MODEL_FACTOR * checkpoint_bytes * itemsize(run_dtype) / itemsize(checkpoint_dtype))
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory free for new tensors on `device` (CPU: the kernel's MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+# ------------------------------------------------------------------ the plan
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer: its latent ranks and its output tensors (names relative to the layer prefix)."""
+
+    ranks: dict[str, int]
+    shapes: dict[str, tuple[int, ...]]
+
+    @property
+    def cache_dims(self) -> int:
+        return cache_dims(self.ranks)
+
+    @property
+    def params(self) -> int:
+        return sum(math.prod(s) for s in self.shapes.values())
+
+
+@dataclass
+class ConversionPlan:
+    """Everything a conversion will produce, before it produces it."""
+
+    spec: AttentionSpec
+    layout: str
+    latent: str
+    dtype: torch.dtype  # of the source attention tensors, and so of the converted ones
+    layers: list[LayerPlan]
+    replaced: set[str]  # source tensors the conversion replaces (every layer's attention)
+    source_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype), all of them
+
+    # ---- KV cache, per token (all layers)
+    @property
+    def gqa_cache_dims(self) -> int:
+        return self.spec.n_layers * gqa_cache_dims(self.spec)
+
+    @property
+    def cache_dims(self) -> int:
+        return sum(layer.cache_dims for layer in self.layers)
+
+    def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> tuple[int, int]:
+        """(GQA, MLA) KV-cache bytes per token in `dtype` (default the checkpoint's)."""
+        size = itemsize(dtype or self.dtype)
+        return self.gqa_cache_dims * size, self.cache_dims * size
+
+    # ---- tensors
+    def output_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every tensor of the converted checkpoint: name -> (shape, dtype), the writer's layout."""
+        out = {name: entry for name, entry in self.source_tensors.items() if name not in self.replaced}
+        for i, layer in enumerate(self.layers):
+            out |= {self.spec.prefix(i) + name: (shape, self.dtype) for name, shape in layer.shapes.items()}
+        return out
+
+    @property
+    def attention_params_before(self) -> int:
+        return sum(math.prod(self.source_tensors[name][0]) for name in self.replaced)
+
+    @property
+    def attention_params_after(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    def sizes(self) -> dict:
+        """Attention parameters and KV cache per token, before and after, in the checkpoint's dtype."""
+        size = itemsize(self.dtype)
+        before, after = self.cache_bytes_per_token()
+        return {
+            "attention_params_before": self.attention_params_before,
+            "attention_params_after": self.attention_params_after,
+            "attention_bytes_before": self.attention_params_before * size,
+            "attention_bytes_after": self.attention_params_after * size,
+            "kv_cache_dims_per_token_before": self.gqa_cache_dims,
+            "kv_cache_dims_per_token_after": self.cache_dims,
+            "kv_cache_bytes_per_token_before": before,
+            "kv_cache_bytes_per_token_after": after,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    # ---- memory
+    @property
+    def checkpoint_bytes(self) -> int:
+        return sum(math.prod(shape) * itemsize(dtype) for shape, dtype in self.source_tensors.values())
+
+    def conversion_memory_bytes(self) -> int:
+        """Peak tensor memory of the streamed conversion: the largest layer's attention in float64,
+        source and converted together, plus the largest tensor copied through."""
+        per_layer = max(self._layer_source_params(i) + layer.params for i, layer in enumerate(self.layers))
+        copied = max(
+            (math.prod(s) * itemsize(d) for n, (s, d) in self.source_tensors.items() if n not in self.replaced),
+            default=0,
+        )
+        return per_layer * itemsize(torch.float64) + copied
+
+    def whole_model_memory_bytes(self, run_dtype: torch.dtype) -> int:
+        """Memory of whole-model verification: both models and activations, in `run_dtype`."""
+        return whole_model_memory_bytes(self.checkpoint_bytes, self.dtype, run_dtype)
+
+    def _layer_source_params(self, layer: int) -> int:
+        prefix = self.spec.prefix(layer)
+        return sum(math.prod(self.source_tensors[n][0]) for n in self.replaced if n.startswith(prefix))
+
+
+# ------------------------------------------------------------------ planning
+
+
+def make_plan(source, spec: AttentionSpec, opts: ConvertOptions, stats=None) -> ConversionPlan:
+    """The plan of converting `source` (a checkpoint or state dict) with `opts`.
+
+    Reads headers only for an exact split latent; the K/V weights otherwise
+    (joint: the rank of [W^K; W^V]; global allocation: the weighted spectra).
+    stats: calibration statistics per layer (`compress.calibrate`), or None.
+    """
+    for layer in range(spec.n_layers):
+        check_layer(source, spec, layer)
+    requested = _requested_ranks(source, spec, opts, stats)
+    layers = []
+    for layer in range(spec.n_layers):
+        ranks = exact = _exact_layer_ranks(source, spec, layer, opts)
+        if requested is not None:
+            ranks = _checked(requested[layer], exact, layer, spec, opts)
+        layers.append(LayerPlan(ranks, output_shapes(spec, ranks, opts.layout, _biases(source, spec, layer))))
+    replaced = {n for layer in range(spec.n_layers) for n in attention_names(source, spec, layer)}
+    tensors = {name: (tuple(source.shape(name)), source.dtype(name)) for name in source.keys()}
+    dtype = source.dtype(spec.tensor(0, "q"))
+    return ConversionPlan(spec, opts.layout, opts.latent, dtype, layers, replaced, tensors)
+
+
+def resolve_spec(source, config: dict | None, opts: ConvertOptions) -> AttentionSpec:
+    """The attention spec of `source`, with the options' geometry flags; refuses what cannot convert."""
+    spec = resolve_attention(
+        config,
+        source.keys(),
+        source.shape,
+        arch=opts.arch,
+        n_heads=opts.n_heads,
+        n_kv_heads=opts.n_kv_heads,
+        head_dim=opts.head_dim,
+        head_map=opts.head_map,
+    )
+    if opts.latent == "joint" and spec.rope:
+        raise ConvertError(
+            "--latent joint needs keys without RoPE: a shared K/V latent cannot carry the per-frequency "
+            "rotation of RoPE keys exactly; use --latent split (the default)"
+        )
+    return spec
+
+
+def budget_dims(spec: AttentionSpec, ratio: float) -> int:
+    """Cache dims per token (all layers) a --kv-cache-ratio allows."""
+    return round(ratio * spec.n_layers * gqa_cache_dims(spec))
+
+
+def _biases(source, spec: AttentionSpec, layer: int) -> set[str]:
+    return {p for p in "qkvo" if spec.tensor(layer, p, "bias") in source}
+
+
+def _exact_layer_ranks(source, spec: AttentionSpec, layer: int, opts: ConvertOptions) -> dict[str, int]:
+    """The ranks at which one layer's conversion is exact."""
+    exact = exact_ranks(spec, opts.latent, opts.layout, "k" in _biases(source, spec, layer))
+    if exact is None:  # joint: the true rank of [W^K; W^V]
+        k, v = source.get(spec.tensor(layer, "k")), source.get(spec.tensor(layer, "v"))
+        exact = {"rank_kv": numerical_rank(torch.cat([k, v]).double())}
+    return exact
+
+
+def _checked(requested: dict[str, int], exact: dict[str, int], layer: int, spec: AttentionSpec, opts) -> dict:
+    """Requested ranks, refused above the exact ones (or odd for a RoPE key latent)."""
+    for name, limit in exact.items():
+        if requested[name] > limit:
+            flag = "--rank" if opts.rank is not None else "rank"
+            raise ConvertError(
+                f"{flag} {requested[name]} is above the exact {name} {limit} of layer {layer}; "
+                "at the exact rank the conversion is already lossless, so omit --rank or lower it"
+            )
+    if spec.rope and opts.layout == "absorbed" and requested.get("rank_k", 0) % 2:
+        raise ConvertError(
+            f"--rank {requested['rank_k']} is odd: a RoPE key latent has pairs of dims; use an even rank"
+        )
+    return requested
+
+
+def _requested_ranks(source, spec: AttentionSpec, opts: ConvertOptions, stats) -> list[dict] | None:
+    """Per-layer ranks asked for by --rank / --kv-cache-ratio (None: exact)."""
+    if not opts.lossy:
+        return None
+    names = ("rank_kv",) if opts.latent == "joint" else ("rank_k", "rank_v")
+    if opts.rank is not None:
+        return [dict.fromkeys(names, opts.rank)] * spec.n_layers
+    per_layer = round(opts.kv_cache_ratio * gqa_cache_dims(spec))
+    if opts.latent == "joint":
+        return [{"rank_kv": per_layer}] * spec.n_layers
+    if opts.resolved_allocation == "uniform":
+        return [compress.uniform_ranks(spec, opts.layout, per_layer)] * spec.n_layers
+    latents = []
+    for layer in range(spec.n_layers):
+        weights = read_layer(source, spec, layer)
+        latents += compress.layer_latents(
+            layer, weights, spec, opts.layout, layer_weighting(spec, opts, stats, weights, layer)
+        )
+    return compress.allocate_global(
+        latents, budget_dims(spec, opts.kv_cache_ratio), normalize=opts.resolved_method != "fisher"
+    )
+
+
+def layer_weighting(spec: AttentionSpec, opts: ConvertOptions, stats, weights, layer: int):
+    """The compression weighting of one layer (None: plain SVD)."""
+    if stats is None:
+        return None
+    return compress.layer_weighting(opts.resolved_method, weights, spec, opts.layout, stats[layer])
+
+
+# ------------------------------------------------------------------ from a config alone
+
+
+class ShapeSource:
+    """Tensor names, shapes and dtypes without data: the read interface `make_plan` needs
+    for an exact split conversion."""
+
+    def __init__(self, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]], config: dict):
+        self.tensors, self.config = tensors, config
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name][0]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.tensors[name][1]
+
+    def get(self, name: str) -> torch.Tensor:
+        raise ConvertError(f"planning from a config alone reads no weights ({name}); use the exact split latent")
+
+
+def plan_for_config(config: dict, **options) -> ConversionPlan:
+    """Plan the conversion of a model described only by its config.json (no weights).
+
+    options: the fields of `ConvertOptions`; only what needs no weights (the exact
+    rank, or --rank, with the split latent) can be planned this way.
+    """
+    from convert.hf import meta_shapes
+
+    opts = ConvertOptions.from_kwargs(**options)
+    source = ShapeSource(meta_shapes(config), config)
+    return make_plan(source, resolve_spec(source, config, opts), opts)
