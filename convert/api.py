@@ -18,7 +18,7 @@ from convert.arch import AttentionSpec
 from convert.errors import ConvertError
 from convert.io import Checkpoint, CheckpointWriter, open_checkpoint, parse_size
 from convert.options import ConvertOptions
-from convert.plan import ConversionPlan, budget_dims, layer_weighting, make_plan, resolve_spec
+from convert.plan import ConversionPlan, budget_dims, check_rank, layer_weighting, make_plan, resolve_spec
 from convert.source import StateDictSource, read_layer
 from convert.text import text_token_ids
 from convert.transform import LayerInfo, convert_layer
@@ -171,11 +171,19 @@ def _convert_layers(source, plan: ConversionPlan, opts: ConvertOptions, stats, s
     return infos
 
 
-def _plan(source, config: dict | None, opts: ConvertOptions) -> tuple[ConversionPlan, list | None]:
-    """Spec, calibration (when compressing with real inputs) and the plan built from them."""
+def _plan(source, config: dict | None, opts: ConvertOptions, verifying: bool):
+    """Spec, calibration (when compressing with real inputs) and the plan built from them:
+    (plan, stats, options as resolved: an explicit exact --rank is the exact conversion).
+
+    Every refusal that needs no weights comes first, before calibration's work.
+    """
     spec = resolve_spec(source, config, opts)
+    opts = check_rank(source, spec, opts)
+    opts.check_calibrated()
+    if verifying:
+        opts.check_verifiable()
     stats = _calibration(source, spec, opts)
-    return make_plan(source, spec, opts, stats), stats
+    return make_plan(source, spec, opts, stats), stats, opts
 
 
 def convert_state_dict(state_dict: dict[str, torch.Tensor], config, **options) -> MLAStateDict:
@@ -190,7 +198,7 @@ def convert_state_dict(state_dict: dict[str, torch.Tensor], config, **options) -
     opts = ConvertOptions.from_kwargs(**{"progress": False, **options})
     config = config.to_dict() if hasattr(config, "to_dict") else (dict(config) if config else None)
     source = StateDictSource(state_dict, config)
-    plan, stats = _plan(source, config, opts)
+    plan, stats, opts = _plan(source, config, opts, verifying=False)
     result = MLAStateDict((k, v) for k, v in state_dict.items() if k not in plan.replaced)
     result.layers = _convert_layers(source, plan, opts, stats, result.__setitem__)
     result.config = {**(config or {}), "mla": _mla_section(plan, opts, result.layers)}
@@ -236,14 +244,13 @@ def gqa2mla(src, output=None, **options) -> ConversionResult:
     FAIL does not raise: the output is kept with its report; check `.passed`.
     """
     opts = ConvertOptions.from_kwargs(**options)
-    opts.check_verifiable()
     timings: dict[str, float] = {}
     start = time.perf_counter()
     src = Path(src)
     output = Path(output) if output is not None else default_output(src)
     with open_checkpoint(src) as source:
         _check_output(src, output)
-        plan, stats = _plan(source, source.config, opts)
+        plan, stats, opts = _plan(source, source.config, opts, verifying=opts.verify)
         timings["plan_s"] = time.perf_counter() - start
         metadata = {"format": "pt", "mla_format_version": str(FORMAT_VERSION)}
         shard_size = parse_size(opts.max_shard_size)

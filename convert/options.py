@@ -212,6 +212,15 @@ class ConvertOptions(VerifyOptions):
         if self.calib_tokens < 2:
             raise ConvertError(f"--calib-tokens {self.calib_tokens} must be at least 2")
 
+    def check_calibrated(self) -> None:
+        """Compression picks its method on purpose: calibration text, or an explicit --method svd."""
+        if self.lossy and self.method is None and self.calib is None:
+            raise ConvertError(
+                "compressing below the exact rank needs calibration text: pass --calib FILE (a text unlike --text; "
+                "the fisher method, the best measured), or --method svd to accept plain weight SVD, which loses "
+                "far more (perplexity ×100s on real models)"
+            )
+
     def check_verifiable(self) -> None:
         """A lossy conversion is judged by perplexity on real text: both must be given."""
         if self.lossy and self.verify and (self.max_ppl_ratio is None or self.text is None):

@@ -13,6 +13,7 @@ summary, report and benchmarks read `sizes`.
 allocating nothing.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -274,14 +275,29 @@ def _exact_layer_ranks(source, spec: AttentionSpec, layer: int, opts: ConvertOpt
     return exact
 
 
+def check_rank(source, spec: AttentionSpec, opts: ConvertOptions) -> ConvertOptions:
+    """Refuse a --rank above the exact one before any calibration or writing; a --rank equal to
+    the exact one is the exact conversion (returned options without it). Split latent only: its
+    exact ranks are known from shapes (joint: from the weights, checked when planning)."""
+    if opts.rank is None or opts.latent == "joint":
+        return opts
+    exact = _exact_layer_ranks(source, spec, 0, opts)
+    _checked(dict.fromkeys(exact, opts.rank), exact, 0, spec, opts)
+    if all(opts.rank == limit for limit in exact.values()):
+        return dataclasses.replace(opts, rank=None)
+    return opts
+
+
 def _checked(requested: dict[str, int], exact: dict[str, int], layer: int, spec: AttentionSpec, opts) -> dict:
-    """Requested ranks, refused above the exact ones (or odd for a RoPE key latent)."""
+    """Requested ranks, refused above the exact ones, when nothing is compressed, or odd for
+    a RoPE key latent."""
+    limits = ", ".join(f"{name} {limit}" for name, limit in exact.items())
+    flag = "--rank" if opts.rank is not None else "rank"
     for name, limit in exact.items():
         if requested[name] > limit:
-            flag = "--rank" if opts.rank is not None else "rank"
             raise ConvertError(
-                f"{flag} {requested[name]} is above the exact {name} {limit} of layer {layer}; "
-                "at the exact rank the conversion is already lossless, so omit --rank or lower it"
+                f"{flag} {requested[name]} is above the exact rank of layer {layer} ({limits}): a latent cannot "
+                f"hold more than its exact rank; omit --rank for the exact conversion, or give fewer dims to compress"
             )
     if spec.rope and opts.layout == "absorbed" and requested.get("rank_k", 0) % 2:
         raise ConvertError(

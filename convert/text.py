@@ -20,12 +20,20 @@ def text_token_ids(
     if not Path(text_path).is_file():
         raise ConvertError(f"{what} {text_path}: no such file; give a UTF-8 text file")
     text = Path(text_path).read_text(encoding="utf-8", errors="replace")
-    if any((Path(model_root) / n).is_file() for n in TOKENIZER_FILES):
-        from convert.hf import load_tokenizer
-
-        ids = load_tokenizer(model_root)(text)["input_ids"]
+    tokenizer = model_tokenizer(model_root)
+    if tokenizer is not None:
+        ids = tokenizer(text)["input_ids"]
     else:
         ids = [b % vocab_size for b in text.encode("utf-8")]
     if len(ids) < 2:
         raise ConvertError(f"{what} {text_path}: fewer than 2 tokens; give a longer text")
     return torch.tensor(ids[:n_tokens])[None]
+
+
+def model_tokenizer(model_root: Path):
+    """The model directory's own tokenizer, or None when it has none (e.g. a random fixture)."""
+    if not any((Path(model_root) / n).is_file() for n in TOKENIZER_FILES):
+        return None
+    from convert.hf import load_tokenizer
+
+    return load_tokenizer(model_root)

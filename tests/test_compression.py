@@ -133,7 +133,8 @@ def test_lossy_round_trip_is_judged_by_max_ppl_ratio(tiny):
 @pytest.mark.parametrize(
     "extra, fragment",
     [
-        (["--kv-cache-ratio", "0.5"], "--max-ppl-ratio"),
+        (["--kv-cache-ratio", "0.5", "--method", "svd"], "--max-ppl-ratio"),
+        (["--kv-cache-ratio", "0.5", "--no-verify"], "--method svd"),
         (["--kv-cache-ratio", "0.5", "--rank", "8", "--no-verify"], "--rank and --kv-cache-ratio"),
         (["--kv-cache-ratio", "1.5", "--no-verify"], "--kv-cache-ratio 1.5"),
         (["--kv-cache-ratio", "0.5", "--method", "whitened", "--no-verify"], "--calib"),

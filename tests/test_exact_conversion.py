@@ -162,7 +162,7 @@ def test_explicit_exact_rank_is_still_exact():
 
 def test_truncated_rank_is_lossy_and_reported():
     model = hf_model("llama", dtype=torch.float64)
-    converted = convert.convert_state_dict(model.state_dict(), model.config, rank=8)
+    converted = convert.convert_state_dict(model.state_dict(), model.config, rank=8, method="svd")
     info = converted.layers[0]
     assert info.ranks == {"rank_k": 8, "rank_v": 8}
     assert info.retained_energy["k"] < 1.0 and info.retained_energy["v"] < 1.0

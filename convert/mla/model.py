@@ -93,8 +93,12 @@ def load_mla_model(path, device=None, dtype=None):
     return model.to(device or "cpu")
 
 
-def cache_bytes_per_token(model, n_tokens: int = 8) -> float:
-    """Bytes the model's KV cache really allocates per token, measured on a forward pass."""
+def cache_bytes_per_token(model, n_tokens: int = 8, as_dtype: torch.dtype | None = None) -> float:
+    """Bytes the model's KV cache really allocates per token, measured on a forward pass.
+
+    as_dtype: count the cached floating-point values at this dtype's size (the
+    checkpoint's, whatever precision the run used); positions keep their own.
+    """
     device = next(model.parameters()).device
     ids = torch.zeros(1, n_tokens, dtype=torch.long, device=device)
     with torch.no_grad():
@@ -103,5 +107,8 @@ def cache_bytes_per_token(model, n_tokens: int = 8) -> float:
     for layer in cache.layers:
         for tensor in (layer.keys, layer.values, getattr(layer, "mla_positions", None)):
             if tensor is not None:
-                total += tensor.numel() * tensor.element_size()
+                size = tensor.element_size()
+                if as_dtype is not None and tensor.is_floating_point():
+                    size = torch.empty((), dtype=as_dtype).element_size()
+                total += tensor.numel() * size
     return total / n_tokens

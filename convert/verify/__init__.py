@@ -17,10 +17,10 @@ from convert.io import open_checkpoint
 from convert.mla.model import read_mla_config
 from convert.options import VerifyOptions
 from convert.plan import available_memory_bytes, whole_model_memory_bytes
-from convert.text import text_token_ids
+from convert.text import model_tokenizer, text_token_ids
 from convert.verify.e2e import end_to_end
 from convert.verify.layers import LayerRun, check_hf_layers, check_seed_layers
-from convert.verify.report import coarsest, failures, render_markdown, thresholds, write_report
+from convert.verify.report import coarsest, decide, render_markdown, thresholds, write_report
 
 __all__ = ["render_markdown", "verify", "verify_paths", "write_report"]
 
@@ -67,6 +67,7 @@ def verify_paths(original, converted, **options) -> dict:
     with open_checkpoint(original) as orig, open_checkpoint(converted) as conv:
         run = LayerRun(orig, conv, config, run_device, run_dtype)
         runnable = mla["source_architecture"] != "seed"
+        ckpt_dtype = conv.dtype(next(k for k in conv.keys() if "self_attn" in k or "W_" in k or "_down" in k))
         ids = _token_ids(text, orig, config, tokens, runnable)
         bar = lambda it: tqdm(it, desc="verifying", unit="layer", disable=None if opts.progress else True)
         t0 = time.perf_counter()
@@ -81,19 +82,20 @@ def verify_paths(original, converted, **options) -> dict:
             fits, why = _fits(orig, run_device, run_dtype)
             if fits:
                 t0 = time.perf_counter()
-                e2e = end_to_end(orig, converted, config, ids, run_device, run_dtype)
+                tokenizer = model_tokenizer(orig.root)
+                e2e = end_to_end(orig, converted, config, ids, run_device, run_dtype, ckpt_dtype, tokenizer)
                 timings["end_to_end_s"] = time.perf_counter() - t0
             else:
                 skipped = f"the two whole models do not fit ({why}); per-layer checks streamed instead"
-        ckpt_dtype = conv.dtype(next(k for k in conv.keys() if "self_attn" in k or "W_" in k or "_down" in k))
         limits = thresholds(coarsest(run_dtype, ckpt_dtype), max_ppl_ratio)
         inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(text, ids)}
     timings["total_s"] = time.perf_counter() - start
-    found = failures(layers, e2e, limits)
+    decision = decide(layers, e2e, limits)
     return {
         "schema": "convert.verification/1",
-        "verdict": "FAIL" if found else "PASS",
-        "failures": found,
+        "verdict": decision["verdict"],
+        "decision": decision,
+        "failures": decision["failures"],
         "thresholds": limits,
         "layers": layers,
         "end_to_end": e2e,

@@ -70,8 +70,14 @@ def compare_models(ref_model, mla_model, ids: torch.Tensor, window: int = 1024) 
     }
 
 
-def end_to_end(original: Checkpoint, converted_dir, config: dict, ids: torch.Tensor, device, dtype) -> dict:
-    """Compare the whole original and converted models on `ids` (1, N)."""
+def end_to_end(
+    original: Checkpoint, converted_dir, config: dict, ids: torch.Tensor, device, dtype, ckpt_dtype, tokenizer=None
+) -> dict:
+    """Compare the whole original and converted models on `ids` (1, N).
+
+    KV-cache bytes are counted in the checkpoint's dtype `ckpt_dtype`, as deployed;
+    with a tokenizer the greedy continuations are decoded to text too.
+    """
     ref_model = load_original(original, config, device, dtype)
     mla_model = load_mla_model(converted_dir, device=device, dtype=dtype)
     ids = ids.to(device)
@@ -81,8 +87,12 @@ def end_to_end(original: Checkpoint, converted_dir, config: dict, ids: torch.Ten
         "greedy_original": greedy_ref,
         "greedy_converted": greedy_got,
         "greedy_match": greedy_ref == greedy_got,
-        "kv_cache_bytes_per_token_original": cache_bytes_per_token(ref_model),
-        "kv_cache_bytes_per_token_converted": cache_bytes_per_token(mla_model),
+        "greedy_prompt_text": None if tokenizer is None else tokenizer.decode(ids[0, :GREEDY_PROMPT].tolist()),
+        "greedy_text_original": None if tokenizer is None else tokenizer.decode(greedy_ref),
+        "greedy_text_converted": None if tokenizer is None else tokenizer.decode(greedy_got),
+        "kv_cache_bytes_per_token_original": cache_bytes_per_token(ref_model, as_dtype=ckpt_dtype),
+        "kv_cache_bytes_per_token_converted": cache_bytes_per_token(mla_model, as_dtype=ckpt_dtype),
+        "kv_cache_dtype": str(ckpt_dtype).removeprefix("torch."),
         "params_original": sum(p.numel() for p in ref_model.parameters()),
         "params_converted": sum(p.numel() for p in mla_model.parameters()),
     }

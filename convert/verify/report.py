@@ -2,12 +2,16 @@
 
 Schema `convert.verification/1` (verification.json):
   verdict            "PASS" | "FAIL"
+  decision           {verdict, rule: which rule decided (exact: round-off bounds; lossy: --max-ppl-ratio),
+                      checks: [{name, value, bound, ok, failure}], failures}
   failures           [str]: one line each, naming the layer or metric
   thresholds         {dtype, layer_rel_error, logits_rel_error, ppl_rel_diff, top1_agreement, max_ppl_ratio}
   layers             [{layer, rel_error, max_abs_error, ranks, retained_energy, factor_error}]
   end_to_end         {tokens, logits_max_abs_diff, logits_rel_error, kl_mean, kl_max, top1_agreement,
                       ppl_original, ppl_converted, ppl_ratio, greedy_original, greedy_converted,
-                      greedy_match, kv_cache_bytes_per_token_{original,converted}, params_{original,converted}}
+                      greedy_match, greedy_prompt_text, greedy_text_{original,converted} (null without a tokenizer),
+                      kv_cache_bytes_per_token_{original,converted} (in kv_cache_dtype, the checkpoint's),
+                      params_{original,converted}}
                      or null, with end_to_end_skipped: reason
   inputs             {original: {path, files: {name: sha256}}, converted: {…}, text: {path, sha256, tokens} | null}
   options, versions  {convert, torch, transformers, python}, device {type, name}, dtype, timings {…_s}
@@ -43,47 +47,99 @@ def thresholds(dtype_name: str, max_ppl_ratio: float | None) -> dict:
     }
 
 
-def failures(layers: list[dict], e2e: dict | None, limits: dict) -> list[str]:
-    """Every check that failed, one line each. Lossy runs (max_ppl_ratio) gate on perplexity only."""
+def decide(layers: list[dict], e2e: dict | None, limits: dict) -> dict:
+    """The verdict, the rule that decided it and every figure it compared against its bound.
+
+    exact (no --max-ppl-ratio): every layer's relative error, the logits' relative
+    error, the perplexity difference and top-1 agreement against round-off bounds.
+    lossy (--max-ppl-ratio): the perplexity ratio alone; per-layer errors are information.
+    """
     if limits["max_ppl_ratio"] is not None:
-        if e2e is None:
-            return ["--max-ppl-ratio needs the end-to-end check, which did not run"]
-        if not e2e["ppl_ratio"] <= limits["max_ppl_ratio"]:
-            return [f"perplexity ratio {e2e['ppl_ratio']:.4f} > --max-ppl-ratio {limits['max_ppl_ratio']}"]
-        return []
-    found = [
-        f"layer {r['layer']}: attention output relative error {r['rel_error']:.3e} > {limits['layer_rel_error']:.0e}"
+        checks = [_lossy_check(e2e, limits["max_ppl_ratio"])]
+        rule = f"lossy conversion: perplexity ratio on the text ≤ --max-ppl-ratio {limits['max_ppl_ratio']}"
+    else:
+        checks = _exact_checks(layers, e2e, limits)
+        rule = f"exact conversion: round-off bounds of {limits['dtype']}"
+    failed = [c["failure"] for c in checks if not c["ok"]]
+    return {"verdict": "FAIL" if failed else "PASS", "rule": rule, "checks": checks, "failures": failed}
+
+
+def _check(name: str, value, bound, ok: bool, failure: str) -> dict:
+    return {"name": name, "value": value, "bound": bound, "ok": bool(ok), "failure": failure}
+
+
+def _lossy_check(e2e: dict | None, max_ratio: float) -> dict:
+    if e2e is None:
+        return _check(
+            "perplexity ratio", None, max_ratio, False, "--max-ppl-ratio needs the end-to-end check, which did not run"
+        )
+    ratio = e2e["ppl_ratio"]
+    return _check(
+        "perplexity ratio",
+        ratio,
+        f"≤ {max_ratio}",
+        ratio <= max_ratio,
+        f"perplexity ratio {ratio:.4f} > --max-ppl-ratio {max_ratio}",
+    )
+
+
+def _exact_checks(layers: list[dict], e2e: dict | None, limits: dict) -> list[dict]:
+    bound = limits["layer_rel_error"]
+    checks = [
+        _check(
+            f"layer {r['layer']} relative error",
+            r["rel_error"],
+            f"≤ {bound:.0e}",
+            r["rel_error"] <= bound,
+            f"layer {r['layer']}: attention output relative error {r['rel_error']:.3e} > {bound:.0e}",
+        )
         for r in layers
-        if not r["rel_error"] <= limits["layer_rel_error"]
     ]
-    if e2e is not None:
-        if not e2e["logits_rel_error"] <= limits["logits_rel_error"]:
-            found.append(f"logits relative error {e2e['logits_rel_error']:.3e} > {limits['logits_rel_error']:.0e}")
-        if not abs(e2e["ppl_ratio"] - 1) <= limits["ppl_rel_diff"]:
-            found.append(
-                f"perplexity {e2e['ppl_original']:.6g} -> {e2e['ppl_converted']:.6g} differs by more than {limits['ppl_rel_diff']:.0e}"
-            )
-        if not e2e["top1_agreement"] >= limits["top1_agreement"]:
-            found.append(f"top-1 agreement {e2e['top1_agreement']:.4f} < {limits['top1_agreement']}")
-    return found
+    if e2e is None:
+        return checks
+    logits, ppl, top1 = e2e["logits_rel_error"], abs(e2e["ppl_ratio"] - 1), e2e["top1_agreement"]
+    return checks + [
+        _check(
+            "logits relative error",
+            logits,
+            f"≤ {limits['logits_rel_error']:.0e}",
+            logits <= limits["logits_rel_error"],
+            f"logits relative error {logits:.3e} > {limits['logits_rel_error']:.0e}",
+        ),
+        _check(
+            "perplexity ratio − 1 (abs.)",
+            ppl,
+            f"≤ {limits['ppl_rel_diff']:.0e}",
+            ppl <= limits["ppl_rel_diff"],
+            f"perplexity {e2e['ppl_original']:.6g} -> {e2e['ppl_converted']:.6g} differs by more than "
+            f"{limits['ppl_rel_diff']:.0e}",
+        ),
+        _check(
+            "top-1 agreement",
+            top1,
+            f"≥ {limits['top1_agreement']}",
+            top1 >= limits["top1_agreement"],
+            f"top-1 agreement {top1:.4f} < {limits['top1_agreement']}",
+        ),
+    ]
 
 
 def render_markdown(report: dict) -> str:
     """A human rendering of the JSON report."""
-    lim = report["thresholds"]
-    lines = [
-        f"# Verification: {report['verdict']}",
-        "",
+    decision = report["decision"]
+    lines = [f"# Verification: {report['verdict']}", "", f"Decided by the {decision['rule']}.", ""]
+    lines += [f"- **FAIL**: {f}" for f in report["failures"]] + ([""] if report["failures"] else [])
+    lines += _decision_table(decision)
+    lines += [
         f"- original: `{report['inputs']['original']['path']}`",
         f"- converted: `{report['inputs']['converted']['path']}`",
-        f"- device: {report['device']['type']} ({report['device']['name']}), run dtype {report['dtype']}, "
-        f"thresholds for {lim['dtype']}: layer relative error ≤ {lim['layer_rel_error']:.0e}",
+        f"- device: {report['device']['type']} ({report['device']['name']}), run dtype {report['dtype']}",
         f"- inputs: {_input_line(report)}",
         "",
     ]
-    lines += [f"- **FAIL**: {f}" for f in report["failures"]] + ([""] if report["failures"] else [])
+    lossy = report["thresholds"]["max_ppl_ratio"] is not None
     lines += [
-        "## Per layer",
+        "## Per layer" + (" (information: a lossy conversion is judged by perplexity)" if lossy else ""),
         "",
         "| layer | ranks | rel. error | max abs error | retained energy |",
         "|---:|---|---:|---:|---|",
@@ -96,6 +152,21 @@ def render_markdown(report: dict) -> str:
     lines += _e2e_lines(report)
     lines += ["", "Timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in report["timings"].items())]
     return "\n".join(lines) + "\n"
+
+
+def _decision_table(decision: dict) -> list[str]:
+    """The figures the verdict compared, against their bounds (per-layer rows folded into one)."""
+    layer_checks = [c for c in decision["checks"] if c["name"].startswith("layer ")]
+    rows = [c for c in decision["checks"] if not c["name"].startswith("layer ")]
+    if layer_checks:
+        worst = max(layer_checks, key=lambda c: c["value"])
+        ok = all(c["ok"] for c in layer_checks)
+        rows.insert(0, {**worst, "name": f"worst layer relative error ({worst['name'].split()[1]})", "ok": ok})
+    out = ["| check | value | bound | |", "|---|---:|---|---|"]
+    for c in rows:
+        value = "—" if c["value"] is None else f"{c['value']:.4g}" if isinstance(c["value"], float) else c["value"]
+        out.append(f"| {c['name']} | {value} | {c['bound']} | {'ok' if c['ok'] else '**FAIL**'} |")
+    return out + [""]
 
 
 def _input_line(report: dict) -> str:
@@ -118,17 +189,34 @@ def _e2e_lines(report: dict) -> list[str]:
             "perplexity original → converted",
             f"{e2e['ppl_original']:.6g} → {e2e['ppl_converted']:.6g} (×{e2e['ppl_ratio']:.6f})",
         ),
+        ("greedy continuation identical", "yes" if e2e["greedy_match"] else "no"),
         (
-            "greedy tokens identical",
-            "yes" if e2e["greedy_match"] else f"no: {e2e['greedy_original']} vs {e2e['greedy_converted']}",
-        ),
-        (
-            "KV cache bytes/token original → converted",
+            f"KV cache bytes/token original → converted ({e2e.get('kv_cache_dtype', report['dtype'])})",
             f"{e2e['kv_cache_bytes_per_token_original']:.0f} → {e2e['kv_cache_bytes_per_token_converted']:.0f}",
         ),
         ("parameters original → converted", f"{e2e['params_original']:,} → {e2e['params_converted']:,}"),
     ]
-    return ["## End to end", "", "| check | value |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
+    lines = ["## End to end", "", "| check | value |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
+    return lines + _greedy_lines(e2e)
+
+
+def _greedy_lines(e2e: dict) -> list[str]:
+    """The greedy continuations, as text when the model has a tokenizer (else token ids)."""
+    if e2e.get("greedy_text_original") is None:
+        return ["", f"Greedy tokens: original {e2e['greedy_original']}", f"converted {e2e['greedy_converted']}"]
+    quote = lambda t: "> " + t.replace("\n", "\n> ")
+    return [
+        "",
+        f"Greedy continuation of: {e2e['greedy_prompt_text']!r}",
+        "",
+        "Original:",
+        "",
+        quote(e2e["greedy_text_original"]),
+        "",
+        "Converted:",
+        "",
+        quote(e2e["greedy_text_converted"]),
+    ]
 
 
 def plot_layers(report: dict, path: Path) -> bool:
