@@ -170,13 +170,13 @@ def test_non_finite_weight_found_mid_conversion(tmp_path, src, monkeypatch, bad,
     import convert.io.writer as writer
 
     made = []
-    real_mkdtemp = writer.tempfile.mkdtemp
+    real_make_sibling = writer.make_sibling
 
-    def recording_mkdtemp(*args, **kwargs):
-        made.append(Path(real_mkdtemp(*args, **kwargs)))
-        return str(made[-1])
+    def recording_make_sibling(*args, **kwargs):
+        made.append(real_make_sibling(*args, **kwargs))
+        return made[-1]
 
-    monkeypatch.setattr(writer.tempfile, "mkdtemp", recording_mkdtemp)
+    monkeypatch.setattr(writer, "make_sibling", recording_make_sibling)
     _convert_fails(tmp_path, src, must_name=[name])
     assert made, "the NaN/Inf should be found while converting, after the output was started"
     assert not any(p.exists() for p in made)
@@ -205,7 +205,9 @@ def test_output_exists_without_force(tmp_path, src):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    _convert_fails(tmp_path, src, must_name=[out, "--force"], out=out)
+    # not convert's (no manifest): refused with or without --force, never touched
+    _convert_fails(tmp_path, src, must_name=[out, "did not write"], out=out)
+    _convert_fails(tmp_path, src, "--force", must_name=[out, "did not write"], out=out)
     assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
 
 
@@ -312,12 +314,16 @@ def test_sharded_output(tmp_path, tiny_llama_dir):
 def test_force_replaces(tmp_path, tiny_llama_dir):
     out = tmp_path / "x"
     assert _run("gqa2mla", tiny_llama_dir, "-o", out, "--no-verify", "-q").exit_code == 0
-    (out / "stale.txt").write_text("old run")
     again = _run("gqa2mla", tiny_llama_dir, "-o", out, "--no-verify", "-q")
-    assert again.exit_code == 2 and (out / "stale.txt").exists()
+    assert again.exit_code == 2 and "--force" in again.stderr
+    # a file a person added means the directory is in use: --force refuses and keeps it
+    (out / "notes.txt").write_text("mine")
+    refused = _run("gqa2mla", tiny_llama_dir, "-o", out, "--no-verify", "-q", "--force")
+    assert refused.exit_code == 2 and "notes.txt" in refused.stderr
+    assert (out / "notes.txt").read_text() == "mine"
+    (out / "notes.txt").unlink()
     forced = _run("gqa2mla", tiny_llama_dir, "-o", out, "--no-verify", "-q", "--force", "--layout", "factored")
     assert forced.exit_code == 0, (forced.output, forced.exception)
-    assert not (out / "stale.txt").exists()
     assert json.loads((out / "config.json").read_text())["mla"]["layout"] == "factored"
     assert sorted(os.listdir(tmp_path)) == ["x"]  # no .x.old-* or .x.tmp-* left
 

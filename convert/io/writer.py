@@ -5,20 +5,27 @@ shard's header is written and the file preallocated before any data arrives.
 Each ``write()`` then seeks to the tensor's slot, which lets tensors arrive in
 any order while memory stays bounded by one tensor.
 
-Everything is written to a hidden temporary sibling directory and renamed
-into place only by ``commit()``, so a failed conversion never leaves a
-half-written output directory behind.
+Everything is written to a hidden temporary sibling directory
+(``.NAME.tmp-<pid>-<random>``, created with the process umask) and moved into
+place only by ``commit()``, in one step that leaves the previous output intact
+until the new one is complete; a failed or interrupted conversion leaves no
+half-written output behind. ``commit()`` lists every file it wrote, with its
+size, in ``.convert-manifest.json``: that is how a later ``--force`` knows the
+directory is convert's to replace (``convert.io.output``). An ``OSError``
+(disk full, permission, read-only, name too long) becomes one
+``EnvironmentFailure`` line naming the output and the fix (exit 3).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
 import shutil
 import struct
-import tempfile
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -27,7 +34,11 @@ from typing import Any
 import torch
 
 from convert.errors import ConvertError
+from convert.io.atomic import environment_errors, fsync_dir, make_sibling, move_into_place, signals_deferred
+from convert.io.output import MANIFEST_NAME, check_output, finish_manifest, output_lock, start_manifest
 from convert.io.reader import INDEX_NAME, SINGLE_NAME, TORCH_TO_SAFETENSORS, dtype_itemsize
+
+log = logging.getLogger("convert")
 
 _UNITS = {
     "": 1,
@@ -108,6 +119,11 @@ class CheckpointWriter:
     next tensor would push the current one past ``max_shard_size`` bytes.
     Use as a context manager; ``commit()`` must be called explicitly, and
     leaving the block without it (or with an exception) aborts.
+
+    Construction claims the output with ``output_lock`` (ConvertError for an
+    output convert must not create or replace, EnvironmentFailure while
+    another run holds it) until ``commit()`` or ``abort()``; a caller that
+    already holds it (re-entrant) keeps it longer.
     """
 
     def __init__(
@@ -120,20 +136,24 @@ class CheckpointWriter:
     ) -> None:
         self.output = Path(output)
         self.force = force
+        self._path = Path(os.path.abspath(output))
         if max_shard_size <= 0:
             raise ConvertError(f"--max-shard-size: must be positive, got {max_shard_size}; use e.g. 5GB")
-        if self.output.exists() and not force:
-            raise ConvertError(f"{self.output} exists; pass --force to replace it or choose another -o")
         self._metadata = self._check_metadata(metadata)
         self._slots = self._check_plan(plan)
         self._shards = self._assign_shards(max_shard_size)
         self._written: set[str] = set()
-        self._extra_files: set[str] = set()
         self._done = False
-        self.output.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.output.name}.tmp-", dir=self.output.parent))
+        self._replaced: Path | None = None  # the previous output, moved away by commit()
+        self._tmp: Path | None = None
+        # Held until commit() or abort(): re-entrant, so a caller may hold it longer.
+        self._claim = ExitStack()
+        self._claim.enter_context(output_lock(self.output, (), force))
         try:
-            self._preallocate()
+            with self._os_errors():
+                self._tmp = make_sibling(self._path, "tmp")
+                start_manifest(self._tmp)
+                self._preallocate()
         except BaseException:
             self.abort()
             raise
@@ -244,7 +264,7 @@ class CheckpointWriter:
 
     def _put(self, name: str, slot: _Slot, data: bytes | memoryview) -> None:
         path = self._tmp / self._shards[slot.shard].filename
-        with open(path, "r+b") as f:
+        with self._os_errors(), open(path, "r+b") as f:
             f.seek(slot.offset)
             f.write(data)
         self._written.add(name)
@@ -267,15 +287,15 @@ class CheckpointWriter:
     def _extra_path(self, filename: str) -> Path:
         self._check_open()
         rel = Path(filename)
-        reserved = {INDEX_NAME, *self.shard_files}
+        reserved = {INDEX_NAME, MANIFEST_NAME, *self.shard_files}
         if rel.is_absolute() or ".." in rel.parts or not rel.parts or str(rel) in reserved:
             raise ConvertError(
                 f"output file '{filename}': must be a relative name inside the output directory "
                 "and not a weights file; choose another name"
             )
         path = self._tmp / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._extra_files.add(str(rel))
+        with self._os_errors():
+            path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
     def write_json(self, filename: str, obj: Any) -> None:
@@ -284,13 +304,27 @@ class CheckpointWriter:
 
     def write_text(self, filename: str, text: str) -> None:
         """Write UTF-8 ``text`` to ``filename`` in the output directory."""
-        self._extra_path(filename).write_text(text, encoding="utf-8")
+        path = self._extra_path(filename)
+        with self._os_errors():
+            path.write_text(text, encoding="utf-8")
 
     def write_file(self, filename: str, data: bytes) -> None:
         """Write raw ``data`` to ``filename`` in the output directory."""
-        self._extra_path(filename).write_bytes(data)
+        path = self._extra_path(filename)
+        with self._os_errors():
+            path.write_bytes(data)
+
+    def copy_file(self, filename: str, source: Path) -> None:
+        """Copy the file ``source`` to ``filename`` in the output directory (contents only, umask modes)."""
+        path = self._extra_path(filename)
+        with self._os_errors():
+            shutil.copyfile(source, path)
 
     # ------------------------------------------------------------ finishing
+
+    def _os_errors(self) -> AbstractContextManager[None]:
+        """OSError -> EnvironmentFailure naming the output, the fix and the space it needs."""
+        return environment_errors(self.output, sum(s.file_size for s in self._shards) or None)
 
     def _check_open(self) -> None:
         if self._done:
@@ -320,54 +354,46 @@ class CheckpointWriter:
             if path.is_file():
                 with open(path, "rb") as f:
                     os.fsync(f.fileno())
-        _fsync_dir(self._tmp)
+        fsync_dir(self._tmp)
 
     def _swap_into_place(self) -> None:
-        old: Path | None = None
-        if self.output.exists() or self.output.is_symlink():
-            if not self.force:
-                raise ConvertError(f"{self.output} exists; pass --force to replace it or choose another -o")
-            # Move the old output aside first so there is never a moment
-            # with neither the old nor the new one in place.
-            old = Path(tempfile.mkdtemp(prefix=f".{self.output.name}.old-", dir=self.output.parent))
-            old.rmdir()
-            os.replace(self.output, old)
-        try:
-            os.replace(self._tmp, self.output)
-        except BaseException:
-            if old is not None:
-                os.replace(old, self.output)
-            raise
-        _fsync_dir(self.output.parent)
-        if old is not None:
-            if old.is_dir() and not old.is_symlink():
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                old.unlink(missing_ok=True)
+        # Checked again: someone may have put files into the old output during the run.
+        check_output(self.output, (), self.force)
+        # Ctrl-C waits for the swap, so the renames are never left half done.
+        with signals_deferred():
+            self._replaced = move_into_place(self._tmp, self._path)
+            self._done = True
+        fsync_dir(self._path.parent)
 
     def commit(self) -> Path:
-        """Check completeness, fsync, and rename into place; returns the output dir.
+        """Check completeness, list the files, fsync, and move into place; returns the output dir.
 
-        On failure the temporary directory is removed and nothing is created.
+        The previous output (``force``) stays in place until the new one takes
+        its place in one step, and is deleted after. On failure the temporary
+        directory is removed and nothing is created or replaced.
         """
         self._check_open()
         try:
             self._check_complete()
-            self._write_index()
-            self._fsync_tree()
-            self._swap_into_place()
-        except BaseException:
-            self.abort()
-            raise
-        self._done = True
+            with self._os_errors():
+                self._write_index()
+                finish_manifest(self._tmp)
+                self._fsync_tree()
+                self._swap_into_place()
+        finally:
+            self.abort()  # after a successful swap: only deletes the replaced output and unlocks
         return self.output
 
     def abort(self) -> None:
-        """Discard everything written; safe to call more than once."""
-        if self._done:
-            return
-        self._done = True
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        """Discard everything written and release the output; safe to call more than once."""
+        if not self._done:
+            self._done = True
+            if self._tmp is not None:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+        if self._replaced is not None:
+            _remove_replaced(self._replaced)
+            self._replaced = None
+        self._claim.close()
 
     def __enter__(self) -> CheckpointWriter:
         return self
@@ -377,15 +403,8 @@ class CheckpointWriter:
         self.abort()
 
 
-def _fsync_dir(path: Path) -> None:
-    """fsync a directory so a rename is durable (not supported on every OS)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def _remove_replaced(path: Path) -> None:
+    """Delete the output that commit() replaced; a later run removes what this cannot."""
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.lexists(path):
+        log.warning("could not remove the replaced output at %s; remove it by hand", path)
