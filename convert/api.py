@@ -4,7 +4,6 @@ result = convert.gqa2mla("model_dir", "model_dir-mla")
 mla_sd = convert.convert_state_dict(model.state_dict(), model.config)
 """
 
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from convert import compress
 from convert._version import __version__
 from convert.arch import AttentionSpec
 from convert.errors import ConvertError
-from convert.io import Checkpoint, CheckpointWriter, open_checkpoint, parse_size
+from convert.io import Checkpoint, CheckpointWriter, open_checkpoint, output_lock, parse_size
 from convert.options import ConvertOptions
 from convert.plan import ConversionPlan, budget_dims, check_rank, layer_weighting, make_plan, resolve_spec
 from convert.source import StateDictSource, read_layer
@@ -216,20 +215,12 @@ def default_output(src: Path) -> Path:
     return src.resolve().parent / f"{name}-mla"
 
 
-def _check_output(src: Path, output: Path) -> None:
-    src_r, out_r = src.resolve(), output.resolve()
-    if out_r == src_r or out_r in src_r.parents:
-        raise ConvertError(
-            f"output {output} is the input or contains it; converting would overwrite the source: choose another -o"
-        )
-
-
 def _copy_aux_files(source: Checkpoint, writer: CheckpointWriter) -> None:
     if not source.path.is_dir():
         return
     for name in AUX_FILES:
         if (source.root / name).is_file():
-            shutil.copyfile(source.root / name, writer.tmp_dir / name)
+            writer.copy_file(name, source.root / name)
 
 
 def gqa2mla(src, output=None, **options) -> ConversionResult:
@@ -237,19 +228,24 @@ def gqa2mla(src, output=None, **options) -> ConversionResult:
 
     src: a .safetensors file, a sharded directory (model.safetensors.index.json)
     or a Hugging Face model directory. output: the directory to create (default
-    `<name>-mla` beside the input); written to a temporary sibling and renamed
-    only when complete. options: the fields of `ConvertOptions`.
+    `<name>-mla` beside the input); written to a temporary sibling and swapped
+    into place only when complete. It must not be, contain or lie inside an
+    input; an existing one is replaced only with `force=True` and only if
+    convert wrote it (its `.convert-manifest.json`). options: the fields of
+    `ConvertOptions`.
 
-    Raises ConvertError for bad input (nothing is left on disk). A verification
-    FAIL does not raise: the output is kept with its report; check `.passed`.
+    Raises ConvertError (exit 2) for bad input and EnvironmentFailure (exit 3)
+    for disk, permission or lock problems; nothing is left on disk either way. A
+    verification FAIL does not raise: the output is kept with its report; check
+    `.passed`.
     """
     opts = ConvertOptions.from_kwargs(**options)
     timings: dict[str, float] = {}
     start = time.perf_counter()
     src = Path(src)
     output = Path(output) if output is not None else default_output(src)
-    with open_checkpoint(src) as source:
-        _check_output(src, output)
+    calib = opts.calib if isinstance(opts.calib, (str, Path)) else None
+    with open_checkpoint(src) as source, output_lock(output, [src, opts.text, calib], opts.force):
         plan, stats, opts = _plan(source, source.config, opts, verifying=opts.verify)
         timings["plan_s"] = time.perf_counter() - start
         metadata = {"format": "pt", "mla_format_version": str(FORMAT_VERSION)}

@@ -5,7 +5,7 @@ Everything else in the package works on plain config dicts and state dicts. Here
 - `hf_classes`, `causal_mask`: a family's own attention / decoder layer / rotary classes
   and its mask, the references verification compares against;
 - `build_causal_lm`, `load_original`: the whole source model, as transformers builds it;
-- `meta_shapes`: every tensor's name, shape and dtype of a config's model, allocating nothing;
+- `meta_state_dict`: every tensor of a config's model as a meta tensor, allocating nothing;
 - `load_tokenizer`: the model directory's own tokenizer.
 """
 
@@ -90,8 +90,8 @@ def load_strict(model, state: dict, where) -> None:
         model.tie_weights()
 
 
-def meta_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every tensor of the config's model: name -> (shape, dtype), allocating nothing.
+def meta_state_dict(config: dict) -> dict[str, torch.Tensor]:
+    """Every tensor of the config's model as a meta tensor (shape and dtype, no data).
 
     Builds one decoder layer on the meta device and repeats its names for every
     layer (all layers of the supported families have the same tensors), so a
@@ -102,16 +102,16 @@ def meta_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     dtype = _config_dtype(config)
     with torch.device("meta"):
         model = build_causal_lm(one_layer, dtype)
-    shapes = {}
+    state = {}
     for name, tensor in model.state_dict().items():
         if ".layers.0." not in name:
-            shapes[name] = (tuple(tensor.shape), tensor.dtype)
+            state[name] = tensor
             continue
         for layer in range(config["num_hidden_layers"]):
-            shapes[re.sub(r"\.layers\.0\.", f".layers.{layer}.", name, count=1)] = (tuple(tensor.shape), tensor.dtype)
+            state[re.sub(r"\.layers\.0\.", f".layers.{layer}.", name, count=1)] = tensor
     if config.get("tie_word_embeddings"):
-        shapes.pop("lm_head.weight", None)
-    return shapes
+        state.pop("lm_head.weight", None)
+    return state
 
 
 def _config_dtype(config: dict) -> torch.dtype:

@@ -24,7 +24,7 @@ from convert.arch import AttentionSpec, resolve_attention
 from convert.errors import ConvertError
 from convert.linalg import numerical_rank
 from convert.options import ConvertOptions
-from convert.source import attention_names, check_layer, read_layer
+from convert.source import StateDictSource, attention_names, check_layer, read_layer
 
 # Whole-model verification holds both models plus activations: this many times
 # the checkpoint (in the run's dtype).
@@ -339,37 +339,17 @@ def layer_weighting(spec: AttentionSpec, opts: ConvertOptions, stats, weights, l
 # ------------------------------------------------------------------ from a config alone
 
 
-class ShapeSource:
-    """Tensor names, shapes and dtypes without data: the read interface `make_plan` needs
-    for an exact split conversion."""
-
-    def __init__(self, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]], config: dict):
-        self.tensors, self.config = tensors, config
-
-    def keys(self) -> list[str]:
-        return list(self.tensors)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.tensors
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.tensors[name][0]
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self.tensors[name][1]
-
-    def get(self, name: str) -> torch.Tensor:
-        raise ConvertError(f"planning from a config alone reads no weights ({name}); use the exact split latent")
-
-
 def plan_for_config(config: dict, **options) -> ConversionPlan:
     """Plan the conversion of a model described only by its config.json (no weights).
 
     options: the fields of `ConvertOptions`; only what needs no weights (the exact
-    rank, or --rank, with the split latent) can be planned this way.
+    rank, or --rank, with the split latent) can be planned this way. The tensors
+    are meta tensors: shapes and dtypes, no data.
     """
-    from convert.hf import meta_shapes
+    from convert.hf import meta_state_dict
 
     opts = ConvertOptions.from_kwargs(**options)
-    source = ShapeSource(meta_shapes(config), config)
+    if opts.latent == "joint" or opts.kv_cache_ratio is not None:
+        raise ConvertError("planning from a config alone reads no weights: use the split latent and --rank (or none)")
+    source = StateDictSource(meta_state_dict(config), config)
     return make_plan(source, resolve_spec(source, config, opts), opts)
