@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from convert.errors import ConvertError
-from convert.io import CheckpointWriter, open_checkpoint, parse_size
+from convert.io import MANIFEST_NAME, CheckpointWriter, open_checkpoint, parse_size
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -283,7 +283,7 @@ def test_writer_round_trip_exact(tmp_path: Path) -> None:
         assert not out_dir.exists()
         out = w.commit()
     assert out == out_dir
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, "model.safetensors"]
     loaded = load_file(str(out / "model.safetensors"))
     assert set(loaded) == set(tensors)
     for n, t in tensors.items():
@@ -346,7 +346,7 @@ def test_sharding_split_and_index(tmp_path: Path) -> None:
             w.write(n, t)
         out = w.commit()
     names = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
-    assert sorted(p.name for p in out.iterdir()) == sorted(names + ["model.safetensors.index.json"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(names + ["model.safetensors.index.json", MANIFEST_NAME])
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["metadata"] == {"total_size": 400 * 3 + 4000 + 100 + 400}
     assert index["weight_map"] == {
@@ -404,27 +404,43 @@ def test_exit_without_commit_leaves_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def _earlier_output(out: Path) -> None:
+    """A directory convert wrote: it has a manifest listing every file."""
+    with CheckpointWriter(out, {"a": ((1,), torch.float32)}, 10**9) as w:
+        w.write("a", torch.zeros(1))
+        w.write_text("old.txt", "old")
+        w.commit()
+
+
 def test_existing_output_without_force(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("old")
-    with pytest.raises(ConvertError, match=r"out exists; pass --force"):
+    _earlier_output(out)
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ConvertError, match=r"out exists \(an earlier conversion\); pass --force"):
         CheckpointWriter(out, {"a": ((1,), torch.float32)}, 10**9)
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]
-    assert (out / "keep.txt").read_text() == "old"
+    assert sorted(p.name for p in out.iterdir()) == before
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
 def test_existing_output_with_force(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("old")
+    _earlier_output(out)
     with CheckpointWriter(out, {"a": ((1,), torch.float32)}, 10**9, force=True) as w:
         w.write("a", torch.ones(1))
-        assert (out / "keep.txt").exists()  # old output untouched until commit
+        assert (out / "old.txt").exists()  # old output untouched until commit
         w.commit()
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, "model.safetensors"]
     assert torch.equal(load_file(str(out / "model.safetensors"))["a"], torch.ones(1))
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_force_never_replaces_what_convert_did_not_write(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ConvertError, match=r"out has no \.convert-manifest\.json"):
+        CheckpointWriter(out, {"a": ((1,), torch.float32)}, 10**9, force=True)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
