@@ -9,7 +9,10 @@ Python API:
 from convert._version import __version__  # noqa: F401  (the public version)
 from convert.api import ConversionResult, MLAStateDict, convert_state_dict, gqa2mla
 from convert.errors import ConvertError, EnvironmentFailure
+from convert.hf import MLAConfig, MLAForCausalLM, register
 from convert.options import ConvertOptions
+
+register()  # `convert_mla` checkpoints load with transformers' Auto classes once convert is imported
 
 
 def load_mla_model(path, device=None, dtype=None):
@@ -24,6 +27,8 @@ __all__ = [
     "ConvertError",
     "ConvertOptions",
     "EnvironmentFailure",
+    "MLAConfig",
+    "MLAForCausalLM",
     "MLAStateDict",
     "convert_state_dict",
     "gqa2mla",

@@ -15,6 +15,7 @@ from convert import compress
 from convert._version import __version__
 from convert.arch import AttentionSpec
 from convert.errors import ConvertError
+from convert.hf import MLA_MODEL_TYPE
 from convert.io import Checkpoint, CheckpointWriter, open_checkpoint, output_lock, parse_size
 from convert.options import ConvertOptions
 from convert.plan import ConversionPlan, budget_dims, check_rank, layer_weighting, make_plan, resolve_spec
@@ -22,7 +23,7 @@ from convert.source import StateDictSource, read_layer
 from convert.text import text_token_ids
 from convert.transform import LayerInfo, convert_layer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: own model_type `convert_mla`, the source's in mla.source_model_type
 # Files of a Hugging Face model directory that travel with the weights.
 AUX_FILES = (
     "tokenizer.json",
@@ -101,7 +102,17 @@ def _whole_model(source, config: dict):
     return model
 
 
-def _mla_section(plan: ConversionPlan, opts: ConvertOptions, infos: list[LayerInfo]) -> dict:
+def output_config(source_config: dict | None, plan: ConversionPlan, opts: ConvertOptions, infos) -> dict:
+    """The converted checkpoint's config.json: the source's fields under our own model type
+    (`convert_mla`, so that nothing loads it as the source architecture), plus `mla`."""
+    config = dict(source_config or {})
+    source_model_type = config.get("model_type")
+    if source_model_type is not None:
+        config |= {"model_type": MLA_MODEL_TYPE, "architectures": ["MLAForCausalLM"]}
+    return config | {"mla": _mla_section(plan, opts, infos, source_model_type)}
+
+
+def _mla_section(plan: ConversionPlan, opts: ConvertOptions, infos: list[LayerInfo], source_model_type) -> dict:
     """The `mla` section of the output config.json (README, "Output format")."""
     spec = plan.spec
     layers = []
@@ -114,6 +125,7 @@ def _mla_section(plan: ConversionPlan, opts: ConvertOptions, infos: list[LayerIn
         "format_version": FORMAT_VERSION,
         "converter": f"convert {__version__}",
         "source_architecture": spec.arch.name,
+        "source_model_type": source_model_type,
         "layout": opts.layout,
         "latent": opts.latent,
         "head_map": spec.head_map,
@@ -200,7 +212,7 @@ def convert_state_dict(state_dict: dict[str, torch.Tensor], config, **options) -
     plan, stats, opts = _plan(source, config, opts, verifying=False)
     result = MLAStateDict((k, v) for k, v in state_dict.items() if k not in plan.replaced)
     result.layers = _convert_layers(source, plan, opts, stats, result.__setitem__)
-    result.config = {**(config or {}), "mla": _mla_section(plan, opts, result.layers)}
+    result.config = output_config(config, plan, opts, result.layers)
     result.plan = plan
     return result
 
@@ -256,7 +268,7 @@ def gqa2mla(src, output=None, **options) -> ConversionResult:
                 if name not in plan.replaced:
                     writer.write_raw(name, source.raw_bytes(name))
             infos = _convert_layers(source, plan, opts, stats, writer.write)
-            config = {**(source.config or {}), "mla": _mla_section(plan, opts, infos)}
+            config = output_config(source.config, plan, opts, infos)
             writer.write_json("config.json", config)
             _copy_aux_files(source, writer)
             timings["convert_s"] = time.perf_counter() - t0

@@ -6,23 +6,43 @@ Everything else in the package works on plain config dicts and state dicts. Here
   and its mask, the references verification compares against;
 - `build_causal_lm`, `load_original`: the whole source model, as transformers builds it;
 - `meta_state_dict`: every tensor of a config's model as a meta tensor, allocating nothing;
-- `load_tokenizer`: the model directory's own tokenizer.
+- `load_tokenizer`: the model directory's own tokenizer;
+- `MLAConfig`, `MLAForCausalLM`, `register`: the converted checkpoint's own model type
+  (`convert_mla`), registered with transformers' Auto classes on `import convert`, so
+  `AutoModelForCausalLM.from_pretrained(converted_dir)` returns the MLA model, and
+  without `import convert` transformers refuses the unknown type instead of loading
+  the source architecture with random attention.
 """
 
 import importlib
 import re
 
 import torch
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 
 from convert.arch import ARCHS
 from convert.io import Checkpoint
 
 # config.json keys that describe the file, not the model.
 _NOT_MODEL_FIELDS = ("mla", "architectures", "transformers_version")
+MLA_MODEL_TYPE = "convert_mla"
+
+
+def source_fields(config: dict) -> dict:
+    """The source model's config fields, from a source or converted config.json dict.
+
+    A converted config (format 2) has `model_type: convert_mla` and the source's in
+    `mla.source_model_type`; format 1 kept the source's `model_type` itself.
+    """
+    fields = {k: v for k, v in config.items() if k not in _NOT_MODEL_FIELDS}
+    source_type = (config.get("mla") or {}).get("source_model_type")
+    if source_type is not None:
+        fields["model_type"] = source_type
+    return fields
 
 
 def hf_config(config: dict, dtype: torch.dtype | None = None, attention: str = "eager"):
-    """A transformers config from a config.json dict (a converted one's `mla` section is ignored).
+    """The SOURCE model's transformers config from a config.json dict (source or converted).
 
     attention: transformers' attention implementation. "eager" takes the additive
     4-D mask MLAAttention takes too; "sdpa" keeps float64 in the softmax (eager
@@ -30,7 +50,7 @@ def hf_config(config: dict, dtype: torch.dtype | None = None, attention: str = "
     """
     from transformers import AutoConfig
 
-    fields = {k: v for k, v in config.items() if k not in _NOT_MODEL_FIELDS}
+    fields = source_fields(config)
     hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
     hf._attn_implementation = attention
     if dtype is not None:
@@ -124,3 +144,50 @@ def load_tokenizer(model_root):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_root)
+
+
+# ------------------------------------------------------------------ the converted model type
+
+
+class MLAConfig(PretrainedConfig):
+    """A converted checkpoint's config: the source model's fields plus the `mla` section."""
+
+    model_type = MLA_MODEL_TYPE
+
+    def __init__(self, mla: dict | None = None, **kwargs):
+        self.mla = mla
+        super().__init__(**kwargs)
+
+
+class MLAForCausalLM(PreTrainedModel, GenerationMixin):
+    """The source family's causal LM with every attention replaced by MLAAttention.
+
+    Submodules and tensor names are the source model's (`model.*`, `lm_head`), so the
+    converted checkpoint loads as is; forward is the family's own (logits, `labels=`
+    loss, a KV cache of latents), so it plugs into ordinary training and generation.
+    """
+
+    config_class = MLAConfig
+    base_model_prefix = "model"
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: MLAConfig):
+        from convert.mla.model import swap_attention
+
+        super().__init__(config)
+        source = build_causal_lm(config.to_dict(), config.dtype or torch.float32)
+        swap_attention(source, config.mla)
+        self.model, self.lm_head = source.model, source.lm_head
+        self._family = type(source)
+        self.post_init()
+
+    def forward(self, *args, **kwargs):
+        return self._family.forward(self, *args, **kwargs)
+
+
+def register() -> None:
+    """Register `convert_mla` with transformers' AutoConfig / AutoModelForCausalLM (idempotent)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    AutoConfig.register(MLA_MODEL_TYPE, MLAConfig, exist_ok=True)
+    AutoModelForCausalLM.register(MLAConfig, MLAForCausalLM, exist_ok=True)

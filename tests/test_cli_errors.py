@@ -271,7 +271,10 @@ def test_happy_path(tmp_path, tiny_llama_dir):
     converted = _read_output(out)
     config = converted.config
     source_config = json.loads((tiny_llama_dir / "config.json").read_text())
-    assert {k: v for k, v in config.items() if k != "mla"} == source_config
+    # the source's fields under convert's own model type (the source's is kept in mla)
+    assert config["model_type"] == "convert_mla" and config["mla"]["source_model_type"] == source_config["model_type"]
+    kept = ("mla", "model_type", "architectures")
+    assert {k: v for k, v in config.items() if k not in kept} == {k: v for k, v in source_config.items() if k not in kept}
     mla = config["mla"]
     assert mla["layout"] == "absorbed" and mla["latent"] == "split" and mla["head_map"] == "grouped"
     assert len(mla["layers"]) == source_config["num_hidden_layers"]

@@ -150,7 +150,7 @@ def test_converted_state_dict_keeps_other_tensors_and_describes_layers():
         assert entry["rank_k"] == G * d and entry["rank_v"] == min(G * d, D)  # exact ranks
         assert sorted(entry["key_freq_index"]) == sorted(list(range(d // 2)) * G)
     assert mla["softmax_scale"] == pytest.approx(d**-0.5)
-    assert converted.config["model_type"] == "llama"
+    assert converted.config["model_type"] == "convert_mla" and mla["source_model_type"] == "llama"
 
 
 def test_explicit_exact_rank_is_still_exact():

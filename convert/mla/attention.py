@@ -76,8 +76,10 @@ class MLAAttention(nn.Module):
         if self.layout == "absorbed":
             self.q_absorbed = nn.Linear(hidden_size, self.n_heads * rank_k, bias="q_absorbed" in bias)
             self.o_absorbed = nn.Linear(self.n_heads * rank_v, hidden_size, bias="o_absorbed" in bias)
-            freq = layer.get("key_freq_index")
-            self.register_buffer("freq_index", torch.tensor(freq if freq else [], dtype=torch.long), persistent=False)
+            # Plain data, not a buffer: transformers' loaders re-create buffers they do not
+            # find in the checkpoint, and this one is config, not weights.
+            self.key_freq_index = tuple(layer.get("key_freq_index") or ())
+            self._freq_index: dict[torch.device, torch.Tensor] = {}
         else:
             inner = self.n_heads * self.head_dim
             self.q_proj = nn.Linear(hidden_size, inner, bias="q_proj" in bias)
@@ -87,6 +89,12 @@ class MLAAttention(nn.Module):
         # The source model's rotary embedding, shared and not a submodule: the
         # factored layout needs cos/sin of cached positions.
         object.__setattr__(self, "rotary", rotary)
+
+    def freq_index(self, device: torch.device) -> torch.Tensor:
+        """The source frequency of each key-latent pair (P,), as a tensor on `device`."""
+        if device not in self._freq_index:
+            self._freq_index[device] = torch.tensor(self.key_freq_index, dtype=torch.long, device=device)
+        return self._freq_index[device]
 
     def latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, L, D) hidden states -> key latent (B, L, r_K), value latent (B, L, r_V)."""
@@ -122,7 +130,7 @@ class MLAAttention(nn.Module):
         c_k, c_v = self.latents(x)  # (B, L, r_K), (B, L, r_V)
         q = self.q_absorbed(x).view(batch, length, self.n_heads, self.rank_k).transpose(1, 2)  # (B, H, L, r_K)
         if self.rope:
-            cos, sin = latent_cos_sin(*position_embeddings, self.freq_index)  # (B, L, r_K)
+            cos, sin = latent_cos_sin(*position_embeddings, self.freq_index(x.device))  # (B, L, r_K)
             q = apply_rope(q, cos[:, None], sin[:, None])
             c_k = apply_rope(c_k, cos, sin)
         k, v = c_k[:, None], c_v[:, None]  # (B, 1, L, r)
