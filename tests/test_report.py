@@ -1,0 +1,111 @@
+"""What the report and the messages tell a user (issue: "Report and messages"): the verdict,
+the rule that decided it and the figures against their bounds come first; KV-cache bytes are
+the checkpoint's; compression without calibration text and impossible ranks are refused
+before any work, with the fix."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import TINY_LLAMA
+
+import convert
+from convert.cli import main
+from convert.errors import ConvertError
+
+
+def _convert(tmp_path, *extra):
+    return CliRunner().invoke(main, ["gqa2mla", str(TINY_LLAMA), "-o", str(tmp_path / "out"), "-q", *extra])
+
+
+@pytest.fixture(scope="module")
+def float64_run(tmp_path_factory):
+    """An exact conversion of the float32 checkpoint, verified in float64."""
+    out = tmp_path_factory.mktemp("report") / "out"
+    result = convert.gqa2mla(TINY_LLAMA, out, dtype="float64", tokens=64, progress=False)
+    return result, (out / "verification.md").read_text()
+
+
+def test_report_opens_with_verdict_rule_and_bounds(float64_run):
+    result, markdown = float64_run
+    lines = markdown.splitlines()
+    assert lines[0] == "# Verification: PASS"
+    assert lines[2] == "Decided by the exact conversion: round-off bounds of float32."  # the checkpoint's dtype
+    decision = result.report["decision"]
+    names = [c["name"] for c in decision["checks"]]
+    assert names[:2] == ["layer 0 relative error", "layer 1 relative error"]
+    assert names[2:] == ["logits relative error", "perplexity ratio − 1 (abs.)", "top-1 agreement"]
+    assert all(c["ok"] for c in decision["checks"]) and decision["failures"] == []
+    table = markdown[: markdown.index("## Per layer")]
+    assert "| worst layer relative error" in table and "≤ 1e-05" in table and "≥ 0.999" in table
+
+
+def test_kv_cache_bytes_are_the_checkpoints_in_a_float64_run(float64_run):
+    result, markdown = float64_run
+    e2e = result.report["end_to_end"]
+    # float32 checkpoint: 2 layers × 2·G·d = 2 × 64 values × 4 B, whatever the run's precision
+    assert e2e["kv_cache_dtype"] == "float32"
+    assert e2e["kv_cache_bytes_per_token_converted"] == result.sizes["kv_cache_bytes_per_token_after"] == 512
+    assert e2e["kv_cache_bytes_per_token_original"] == result.sizes["kv_cache_bytes_per_token_before"] == 512
+    assert "KV cache bytes/token original → converted (float32) | 512 → 512" in markdown
+
+
+def test_greedy_check_without_tokenizer_shows_ids(float64_run):
+    result, markdown = float64_run
+    assert result.report["end_to_end"]["greedy_text_original"] is None  # the fixture has no tokenizer
+    assert "Greedy tokens: original [" in markdown
+
+
+def test_lossy_report_says_the_ppl_ratio_decided(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("It is a truth universally acknowledged. " * 40)
+    args = ["--kv-cache-ratio", "0.5", "--method", "svd", "--text", str(text), "--max-ppl-ratio", "1000"]
+    result = _convert(tmp_path, *args)
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "verification.json").read_text())
+    assert report["decision"]["rule"] == "lossy conversion: perplexity ratio on the text ≤ --max-ppl-ratio 1000.0"
+    assert [c["name"] for c in report["decision"]["checks"]] == ["perplexity ratio"]
+    markdown = (tmp_path / "out" / "verification.md").read_text()
+    assert "## Per layer (information: a lossy conversion is judged by perplexity)" in markdown
+    assert "1e-05" not in markdown.split("## Per layer")[0]  # no exact-conversion bound is shown as applied
+
+
+def test_compression_without_calibration_text_is_refused_with_the_fix(tmp_path):
+    result = _convert(tmp_path, "--kv-cache-ratio", "0.5", "--no-verify")
+    assert result.exit_code == 2
+    assert "--calib FILE" in result.stderr and "--method svd" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("rank", ["40", "33"])
+def test_rank_above_exact_names_the_exact_ranks(tmp_path, rank):
+    # tiny Llama: G·d = 2·16 = 32 for keys and values
+    result = _convert(tmp_path, "--rank", rank, "--text", str(TINY_LLAMA / "config.json"))  # no --max-ppl-ratio
+    assert result.exit_code == 2
+    assert f"--rank {rank} is above the exact rank of layer 0 (rank_k 32, rank_v 32)" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_rank_equal_to_exact_is_the_exact_conversion():
+    model_state = convert.convert_state_dict(_tiny_state(), _tiny_config(), rank=32)
+    assert model_state.config["mla"]["compression"] is None
+    assert model_state.plan.cache_dims == model_state.plan.gqa_cache_dims
+
+
+def test_cuda_without_a_gpu_is_a_convert_error_from_the_api(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ConvertError, match="--device cuda"):
+        convert.gqa2mla(TINY_LLAMA, tmp_path / "out", device="cuda")
+    assert not (tmp_path / "out").exists()
+
+
+def _tiny_state():
+    from safetensors.torch import load_file
+
+    return load_file(TINY_LLAMA / "model.safetensors")
+
+
+def _tiny_config():
+    return json.loads((TINY_LLAMA / "config.json").read_text())
