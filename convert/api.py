@@ -258,6 +258,8 @@ def gqa2mla(src, output=None, **options) -> ConversionResult:
     output = Path(output) if output is not None else default_output(src)
     calib = opts.calib if isinstance(opts.calib, (str, Path)) else None
     with open_checkpoint(src) as source, output_lock(output, [src, opts.text, calib], opts.force):
+        if opts.target == "transformers":
+            return _export_transformers(src, source, output, opts, start)
         plan, stats, opts = _plan(source, source.config, opts, verifying=opts.verify)
         timings["plan_s"] = time.perf_counter() - start
         metadata = {"format": "pt", "mla_format_version": str(FORMAT_VERSION)}
@@ -288,3 +290,49 @@ def _verify_into(writer: CheckpointWriter, src: Path, opts: ConvertOptions, timi
     timings["verify_s"] = time.perf_counter() - t0
     write_report(report, writer.tmp_dir)
     return report
+
+
+# ------------------------------------------------------------------ export targets
+
+
+def _export_transformers(src: Path, source: Checkpoint, output: Path, opts: ConvertOptions, start: float):
+    """`--target transformers`: an exact DeepseekV3ForCausalLM checkpoint (convert.targets), built
+    in memory from the whole source, written and verified like a conversion."""
+    from convert.targets import to_deepseek_v3
+
+    timings: dict[str, float] = {}
+    tensors, config = to_deepseek_v3({name: source.get(name) for name in source.keys()}, source.config or {})
+    layout = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+    timings["plan_s"] = time.perf_counter() - start
+    with CheckpointWriter(output, layout, parse_size(opts.max_shard_size), opts.force, {"format": "pt"}) as writer:
+        t0 = time.perf_counter()
+        for name, tensor in tensors.items():
+            writer.write(name, tensor.contiguous())
+        writer.write_json("config.json", config)
+        _copy_aux_files(source, writer)
+        timings["convert_s"] = time.perf_counter() - t0
+        report = _verify_into(writer, src, opts, timings) if opts.verify else None
+        final = writer.commit()
+    timings["total_s"] = time.perf_counter() - start
+    notes = [
+        "DeepseekV3ForCausalLM for stock transformers: exact, but not for vLLM (it ignores the longrope "
+        "frequencies and the attention biases this export relies on); transformers' DeepseekV3 caches per-head "
+        "keys and values, not the latent"
+    ]
+    sizes = _export_sizes(source, opts, tensors, config)
+    return ConversionResult(final, config, [], sizes, timings, report, notes)
+
+
+def _export_sizes(source: Checkpoint, opts: ConvertOptions, tensors: dict, config: dict) -> dict:
+    """Attention parameters and the KV cache per token (what a DeepSeek-V3 MLA runtime
+    caches: latent + rotary key), before and after, in the checkpoint's dtype."""
+    source_plan = make_plan(source, resolve_spec(source, source.config, opts), opts)  # headers only
+    after_params = sum(t.numel() for name, t in tensors.items() if ".self_attn." in name)
+    after_dims = config["num_hidden_layers"] * config["convert_export"]["kv_cache_dims_per_token_per_layer"]
+    size = torch.empty((), dtype=source_plan.dtype).element_size()
+    return source_plan.sizes() | {
+        "attention_params_after": after_params,
+        "attention_bytes_after": after_params * size,
+        "kv_cache_dims_per_token_after": after_dims,
+        "kv_cache_bytes_per_token_after": after_dims * size,
+    }

@@ -110,6 +110,21 @@ def load_strict(model, state: dict, where) -> None:
         model.tie_weights()
 
 
+def load_pretrained(path, device, dtype, attention: str = "eager"):
+    """A checkpoint directory as stock transformers loads it (an export target's, say)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()  # our own progress bars and summary only
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
+    finally:
+        if shown:
+            logging.enable_progress_bar()
+    return model.to(device).eval()
+
+
 def meta_state_dict(config: dict) -> dict[str, torch.Tensor]:
     """Every tensor of the config's model as a meta tensor (shape and dtype, no data).
 

@@ -13,6 +13,7 @@ import torch
 
 from convert.errors import ConvertError
 
+TARGETS = ("mla", "transformers")
 LAYOUTS = ("absorbed", "factored")
 LATENTS = ("split", "joint")
 HEAD_MAPS = ("grouped", "tiled")
@@ -112,6 +113,13 @@ class ConvertOptions(VerifyOptions):
     verify and the `VerifyOptions` fields.
     """
 
+    target: str = option(
+        "mla",
+        "Where the checkpoint runs. mla: this package's runtime, and transformers' Auto classes after `import "
+        "convert` (exact, every layout, compression). transformers: a DeepseekV3ForCausalLM that stock "
+        "transformers loads with no custom code (exact; not for vLLM, which ignores its RoPE factors and biases).",
+        choices=TARGETS,
+    )
     arch: str | None = option(None, "Architecture when there is no config.json: llama, mistral, qwen2, seed.", kind=str)
     n_heads: int | None = option(None, "Query heads H (only when config.json lacks them).", kind=int)
     n_kv_heads: int | None = option(None, "Key/value heads G (only when config.json lacks them).", kind=int)
@@ -161,6 +169,7 @@ class ConvertOptions(VerifyOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _choice("--target", self.target, TARGETS)
         _choice("--layout", self.layout, LAYOUTS)
         _choice("--latent", self.latent, LATENTS)
         if self.head_map is not None:
@@ -170,6 +179,27 @@ class ConvertOptions(VerifyOptions):
                 f"--rank {self.rank} must be a positive number of latent dims (omit it for the exact rank)"
             )
         self._check_compression()
+        if self.target != "mla":
+            self._check_export()
+
+    def _check_export(self) -> None:
+        """An export target is exact and has its own fixed layout: refuse the flags it would ignore."""
+        ignored = {
+            "--layout": self.layout != "absorbed",
+            "--latent": self.latent != "split",
+            "--rank": self.rank,
+            "--kv-cache-ratio": self.kv_cache_ratio,
+            "--method": self.method,
+            "--calib": self.calib,
+            "--allocation": self.allocation,
+            "--max-ppl-ratio": self.max_ppl_ratio,
+        }
+        given = [flag for flag, value in ignored.items() if value not in (None, False)]
+        if given:
+            raise ConvertError(
+                f"{', '.join(given)}: only for --target mla (--target {self.target} writes one exact layout); "
+                "drop them or use --target mla"
+            )
 
     @property
     def lossy(self) -> bool:

@@ -48,6 +48,7 @@ NON_DEFAULTS = {
     "dtype": (["--dtype", "float32"], "float32"),
     "max_ppl_ratio": (["--max-ppl-ratio", "1.5"], 1.5),
     "progress": (["-q"], False),
+    "target": (["--target", "transformers"], "transformers"),
     "arch": (["--arch", "llama"], "llama"),
     "n_heads": (["--n-heads", "4"], 4),
     "n_kv_heads": (["--n-kv-heads", "2"], 2),

@@ -6,6 +6,7 @@ Markdown and a PNG. DESIGN §8 is the contract.
 """
 
 import hashlib
+import json
 import platform
 import time
 from pathlib import Path
@@ -13,8 +14,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from convert.errors import ConvertError
 from convert.io import open_checkpoint
-from convert.mla.model import read_mla_config
+from convert.mla.model import load_mla_model, read_mla_config
 from convert.options import VerifyOptions
 from convert.plan import available_memory_bytes, whole_model_memory_bytes
 from convert.text import model_tokenizer, text_token_ids
@@ -59,7 +61,9 @@ def verify_paths(original, converted, **options) -> dict:
     transformers causal LM and both models fit in memory. Returns the report dict.
     """
     opts = VerifyOptions.from_kwargs(**options)
-    text, tokens, device, dtype, max_ppl_ratio = opts.text, opts.tokens, opts.device, opts.dtype, opts.max_ppl_ratio
+    if is_export(converted):
+        return _verify_export(original, converted, opts)
+    text, tokens, max_ppl_ratio = opts.text, opts.tokens, opts.max_ppl_ratio
     start = time.perf_counter()
     run_device, run_dtype = opts.torch_device, opts.torch_dtype
     config = read_mla_config(converted)
@@ -83,14 +87,55 @@ def verify_paths(original, converted, **options) -> dict:
             if fits:
                 t0 = time.perf_counter()
                 tokenizer = model_tokenizer(orig.root)
-                e2e = end_to_end(orig, converted, config, ids, run_device, run_dtype, ckpt_dtype, tokenizer)
+                load = lambda device, dtype: load_mla_model(converted, device=device, dtype=dtype)
+                e2e = end_to_end(orig, load, config, ids, run_device, run_dtype, ckpt_dtype, tokenizer)
                 timings["end_to_end_s"] = time.perf_counter() - t0
             else:
                 skipped = f"the two whole models do not fit ({why}); per-layer checks streamed instead"
         limits = thresholds(coarsest(run_dtype, ckpt_dtype), max_ppl_ratio)
         inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(text, ids)}
     timings["total_s"] = time.perf_counter() - start
+    return _report(opts, layers, e2e, skipped, limits, inputs, timings)
+
+
+def is_export(directory) -> bool:
+    """Whether `directory` holds an export target's checkpoint (not the native MLA format)."""
+    config = Path(directory) / "config.json"
+    try:
+        return "convert_export" in json.loads(config.read_text())
+    except (OSError, ValueError, TypeError):
+        return False  # the native checks say what is wrong with it
+
+
+def _verify_export(original, exported, opts: VerifyOptions) -> dict:
+    """End-to-end verification of an export target (a DeepseekV3ForCausalLM), loaded by stock
+    transformers as a user would. No per-layer part: its layers are not MLAAttention modules.
+    Bounds are no finer than float32: DeepseekV3RMSNorm computes in float32."""
+    from convert.hf import load_pretrained
+
+    start = time.perf_counter()
+    device, dtype = opts.torch_device, opts.torch_dtype
+    with open_checkpoint(original) as orig, open_checkpoint(exported) as conv:
+        config = orig.config or {}
+        ids = _token_ids(opts.text, orig, config, opts.tokens, True)
+        ckpt_dtype = conv.dtype(conv.keys()[0])
+        fits, why = _fits(orig, device, dtype)
+        if not fits:
+            raise ConvertError(
+                f"verifying an export loads both whole models, which do not fit ({why}); use --no-verify"
+            )
+        load = lambda device, dtype: load_pretrained(exported, device, dtype)
+        e2e = end_to_end(orig, load, config, ids, device, dtype, ckpt_dtype, model_tokenizer(orig.root))
+        limits = thresholds(coarsest(dtype, ckpt_dtype, torch.float32), opts.max_ppl_ratio)
+        inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(opts.text, ids)}
+    timings = {"end_to_end_s": time.perf_counter() - start, "total_s": time.perf_counter() - start}
+    return _report(opts, [], e2e, None, limits, inputs, timings)
+
+
+def _report(opts: VerifyOptions, layers, e2e, skipped, limits, inputs, timings) -> dict:
+    """The report dict (schema in convert.verify.report)."""
     decision = decide(layers, e2e, limits)
+    device = opts.torch_device
     return {
         "schema": "convert.verification/1",
         "verdict": decision["verdict"],
@@ -102,20 +147,18 @@ def verify_paths(original, converted, **options) -> dict:
         "end_to_end_skipped": skipped,
         "inputs": inputs,
         "options": {
-            "text": str(text) if text else None,
-            "tokens": tokens,
-            "device": device,
-            "dtype": dtype,
-            "max_ppl_ratio": max_ppl_ratio,
+            "text": str(opts.text) if opts.text else None,
+            "tokens": opts.tokens,
+            "device": opts.device,
+            "dtype": opts.dtype,
+            "max_ppl_ratio": opts.max_ppl_ratio,
         },
         "versions": _versions(),
         "device": {
-            "type": run_device.type,
-            "name": torch.cuda.get_device_name(run_device)
-            if run_device.type == "cuda"
-            else platform.processor() or "cpu",
+            "type": device.type,
+            "name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         },
-        "dtype": dtype,
+        "dtype": opts.dtype,
         "timings": timings,
     }
 

@@ -5,7 +5,7 @@ import torch
 
 from convert.hf import load_original
 from convert.io import Checkpoint
-from convert.mla.model import cache_bytes_per_token, load_mla_model
+from convert.mla.model import cache_bytes_per_token
 
 GREEDY_PROMPT, GREEDY_NEW = 8, 32
 
@@ -71,15 +71,16 @@ def compare_models(ref_model, mla_model, ids: torch.Tensor, window: int = 1024) 
 
 
 def end_to_end(
-    original: Checkpoint, converted_dir, config: dict, ids: torch.Tensor, device, dtype, ckpt_dtype, tokenizer=None
+    original: Checkpoint, load_converted, config: dict, ids: torch.Tensor, device, dtype, ckpt_dtype, tokenizer=None
 ) -> dict:
     """Compare the whole original and converted models on `ids` (1, N).
 
+    load_converted(device, dtype): the converted model (MLA, or an export target's).
     KV-cache bytes are counted in the checkpoint's dtype `ckpt_dtype`, as deployed;
     with a tokenizer the greedy continuations are decoded to text too.
     """
     ref_model = load_original(original, config, device, dtype)
-    mla_model = load_mla_model(converted_dir, device=device, dtype=dtype)
+    mla_model = load_converted(device, dtype)
     ids = ids.to(device)
     result = compare_models(ref_model, mla_model, ids)
     greedy_ref, greedy_got = _greedy(ref_model, ids), _greedy(mla_model, ids)

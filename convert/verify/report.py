@@ -138,6 +138,14 @@ def render_markdown(report: dict) -> str:
         "",
     ]
     lossy = report["thresholds"]["max_ppl_ratio"] is not None
+    if not report["layers"]:
+        lines += [
+            "## Per layer",
+            "",
+            "None: an export target's layers are its runtime's own modules; it is checked end to end.",
+            "",
+        ]
+        return "\n".join(lines + _e2e_lines(report) + ["", _timings_line(report)]) + "\n"
     lines += [
         "## Per layer" + (" (information: a lossy conversion is judged by perplexity)" if lossy else ""),
         "",
@@ -150,8 +158,12 @@ def render_markdown(report: dict) -> str:
         lines.append(f"| {r['layer']} | {ranks} | {r['rel_error']:.2e} | {r['max_abs_error']:.2e} | {energy} |")
     lines += ["", "![per-layer error](verification_layers.png)", ""] if report.get("plot") else [""]
     lines += _e2e_lines(report)
-    lines += ["", "Timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in report["timings"].items())]
+    lines += ["", _timings_line(report)]
     return "\n".join(lines) + "\n"
+
+
+def _timings_line(report: dict) -> str:
+    return "Timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in report["timings"].items())
 
 
 def _decision_table(decision: dict) -> list[str]:
@@ -228,6 +240,8 @@ def plot_layers(report: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
         import matplotlib.ticker
     except ImportError:
+        return False
+    if not report["layers"]:
         return False
     layers = [r["layer"] for r in report["layers"]]
     errors = [max(r["rel_error"], 1e-18) for r in report["layers"]]
