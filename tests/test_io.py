@@ -223,6 +223,41 @@ def test_corrupt_header_entries(tmp_path: Path, entry: dict, needle: str) -> Non
     assert "ent.safetensors" in msg and "'a'" in msg and needle in msg
 
 
+_ENTRY = b'{"dtype":"F32","shape":[2],"data_offsets":[0,8]}'
+
+
+@pytest.mark.parametrize(
+    "header_text, needle",
+    [
+        (b'{"a":' + _ENTRY + b',"a":' + _ENTRY + b"}", "'a' appears twice"),
+        (b'{"__metadata__":{},"__metadata__":{"x":"y"},"a":' + _ENTRY + b"}", "'__metadata__' appears twice"),
+        (b'{"a":{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}}', "'dtype' appears twice"),
+        (b'{"a":{"dtype":["F32"],"shape":[2],"data_offsets":[0,8]}}', "dtype ['F32']"),
+        (b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":[[]]}}', "nested"),
+        (b'{"x":' + b"[" * 100000 + b"]" * 100000 + b',"a":' + _ENTRY + b"}", "nested"),
+        (b'{"a\xff":' + _ENTRY + b"}", "UTF-8"),
+        (b'{"\\ud800":' + _ENTRY + b"}", "surrogate"),
+        (b'{"a":{"dtype":"F32","shape":[NaN],"data_offsets":[0,8]}}', "NaN"),
+        (b'{"a":{"dtype":"F32","shape":[1' + b"0" * 5000 + b'],"data_offsets":[0,8]}}', "digits"),
+        (b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[false,true]}}', "data_offsets"),
+    ],
+)
+def test_strict_header_json(tmp_path: Path, header_text: bytes, needle: str) -> None:
+    """Duplicate keys, deep nesting, bad UTF-8, surrogates, NaN and huge numbers: one line, no traceback."""
+    path = tmp_path / "strict.safetensors"
+    _write_raw_file(path, None, b"\0" * 8, header_text=header_text)
+    msg = _err(path)
+    assert "strict.safetensors" in msg and needle in msg, msg
+
+
+def test_unknown_entry_field_is_ignored(tmp_path: Path) -> None:
+    """safetensors itself ignores fields it does not know in a tensor's entry."""
+    path = tmp_path / "extra.safetensors"
+    _write_raw_file(path, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "note": "x"}}, b"\0" * 8)
+    with open_checkpoint(path) as ckpt:
+        assert ckpt.shape("a") == (2,)
+
+
 def test_trailing_bytes_rejected(tmp_path: Path) -> None:
     path = tmp_path / "tail.safetensors"
     save_file({"a": torch.ones(2)}, str(path))
@@ -257,6 +292,18 @@ def test_config_invalid(tmp_path: Path) -> None:
     save_file({"a": torch.ones(1)}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text("{oops")
     assert "config.json" in _err(tmp_path)
+    (tmp_path / "config.json").write_text('{"hidden_size": 8, "hidden_size": 16}')
+    msg = _err(tmp_path)
+    assert "config.json" in msg and "'hidden_size' appears twice" in msg
+
+
+def test_index_shard_outside_the_directory(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(1)}, str(tmp_path / "s.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    for shard in ("../s.safetensors", "/tmp/s.safetensors", "..", ""):
+        index.write_text(json.dumps({"weight_map": {"a": shard}}))
+        msg = _err(tmp_path)
+        assert "model.safetensors.index.json" in msg and "not a file name" in msg, msg
 
 
 def test_dir_without_or_with_many_files(tmp_path: Path) -> None:

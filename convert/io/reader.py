@@ -2,7 +2,10 @@
 
 All validation happens at open time by parsing each file's header ourselves,
 so a bad checkpoint fails fast with a one-line ConvertError instead of a
-stack trace halfway through a conversion. Tensor data is never read at open
+stack trace halfway through a conversion. Headers, config.json and the shard
+index are parsed strictly (`parse_json`): valid UTF-8, no key given twice, bounded
+nesting; a header's entries must have a known dtype, a shape of non-negative
+integers and offsets that tile the data area exactly, as safetensors requires. Tensor data is never read at open
 time; tensors are read one at a time on demand.
 """
 
@@ -27,6 +30,11 @@ CONFIG_NAME = "config.json"
 # safetensors' own loader refuses headers above 100 MB; anything larger is
 # certainly not a header we should try to parse.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+# A header nests three levels (header -> tensor entry -> shape list); config.json
+# and the shard index a few more. Deeper JSON is refused before Python's
+# recursion limit is anywhere near.
+MAX_HEADER_DEPTH = 3
+MAX_JSON_DEPTH = 32
 
 _NOT_SAFETENSORS_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl", ".gguf", ".h5", ".msgpack"}
 _CONVERT_HINT = "convert it to safetensors first, e.g. with `transformers`' save_pretrained(safe_serialization=True)"
@@ -87,6 +95,69 @@ class FileHeader:
     metadata: dict[str, str]
 
 
+# ---------------------------------------------------------------- strict JSON
+
+
+class _Refused(ValueError):
+    """Raised by the parse hooks: the JSON is well formed but not acceptable."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """object_pairs_hook: a JSON object, refusing a key given twice (json keeps the last silently)."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _Refused(f"key {key[:80]!r} appears twice")
+        obj[key] = value
+    return obj
+
+
+def _no_constants(name: str) -> Any:
+    raise _Refused(f"{name} is not JSON")
+
+
+def _nesting_depth(value: Any) -> int:
+    """How deeply lists and objects nest in a parsed JSON value (iterative: no recursion limit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def parse_json(data: bytes, max_depth: int = MAX_JSON_DEPTH, allow_constants: bool = True) -> Any:
+    """Parse UTF-8 JSON strictly: no duplicate keys, nesting at most `max_depth` deep
+    (NaN/Infinity refused unless `allow_constants`). Raises ValueError saying why."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not valid UTF-8 at byte {exc.start}") from None
+    hooks: dict[str, Any] = {"object_pairs_hook": _unique_keys}
+    if not allow_constants:
+        hooks["parse_constant"] = _no_constants
+    try:
+        value = json.loads(text, **hooks)
+    except RecursionError:
+        raise ValueError(f"nested more than {max_depth} levels deep") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"JSON does not parse: {exc}") from None
+    except _Refused:
+        raise
+    except ValueError:  # Python refuses to read integers of more than 4300 digits
+        raise ValueError("a number has thousands of digits") from None
+    if _nesting_depth(value) > max_depth:
+        raise ValueError(f"nested more than {max_depth} levels deep")
+    try:  # a \\udXXX escape without its pair decodes to a string no file or terminal can hold
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("a string holds an unpaired UTF-16 surrogate escape") from None
+    return value
+
+
 # ---------------------------------------------------------------- header parsing
 
 
@@ -125,10 +196,11 @@ def _parse_header_json(path: Path, header_bytes: bytes) -> dict[str, Any]:
     if not header_bytes.lstrip().startswith(b"{"):
         raise ConvertError(f"{path}: not a safetensors file (no JSON header); {_CONVERT_HINT}")
     try:
-        header = json.loads(header_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        # safetensors' own parser refuses NaN/Infinity; so do we.
+        header = parse_json(header_bytes, MAX_HEADER_DEPTH, allow_constants=False)
+    except ValueError as exc:
         raise ConvertError(
-            f"{path}: corrupt safetensors header (JSON does not parse: {exc}); re-download or re-export the checkpoint"
+            f"{path}: corrupt safetensors header ({exc}); re-download or re-export the checkpoint"
         ) from None
     if not isinstance(header, dict):
         raise ConvertError(
@@ -150,7 +222,7 @@ def _parse_metadata(path: Path, meta: Any) -> dict[str, str]:
 
 def _corrupt(path: Path, name: str, why: str) -> ConvertError:
     return ConvertError(
-        f"{path}: corrupt safetensors header, tensor '{name}' {why}; re-download or re-export the checkpoint"
+        f"{path}: corrupt safetensors header, tensor {_short(name, 200)} {why}; re-download or re-export the checkpoint"
     )
 
 
@@ -161,21 +233,23 @@ def _parse_entry(path: Path, name: str, spec: Any, data_start: int) -> TensorEnt
         if field not in spec:
             raise _corrupt(path, name, f"lacks '{field}'")
     code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    if not isinstance(code, str):
+        raise _corrupt(path, name, f'has dtype {_short(code)}, not a dtype name such as "F32"')
     if code not in SAFETENSORS_DTYPES:
         raise ConvertError(
-            f"{path}: tensor '{name}' has unsupported dtype {code!r} "
+            f"{path}: tensor {_short(name, 200)} has unsupported dtype {_short(code)} "
             f"(supported: {', '.join(SAFETENSORS_DTYPES)}); re-export the checkpoint in "
             "one of these dtypes"
         )
     if not isinstance(shape, list) or not all(_is_nonneg_int(d) for d in shape):
-        raise _corrupt(path, name, f"has invalid shape {shape!r}")
+        raise _corrupt(path, name, f"has invalid shape {_short(shape)} (a list of non-negative integers)")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
         or not all(_is_nonneg_int(o) for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise _corrupt(path, name, f"has invalid data_offsets {offsets!r}")
+        raise _corrupt(path, name, f"has invalid data_offsets {_short(offsets)} (a pair [begin, end], begin <= end)")
     dtype = SAFETENSORS_DTYPES[code]
     expected = math.prod(shape) * dtype_itemsize(dtype)
     if offsets[1] - offsets[0] != expected:
@@ -186,6 +260,12 @@ def _parse_entry(path: Path, name: str, spec: Any, data_start: int) -> TensorEnt
             f"{shape} x {code} needs {expected}",
         )
     return TensorEntry(path, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """repr of a value from a file, cut short: a damaged field may be megabytes long."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _is_nonneg_int(x: Any) -> bool:
@@ -218,17 +298,22 @@ def _check_data_fits(path: Path, tensors: dict[str, TensorEntry], size: int, dat
 # ---------------------------------------------------------------- locating files
 
 
-def _read_json(path: Path, what: str, fix: str) -> Any:
+def read_json(path: Path, what: str, fix: str) -> Any:
+    """A JSON file parsed strictly (`parse_json`); ConvertError naming the file and `fix` otherwise."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConvertError(f"{path}: cannot read {what} ({exc.strerror}); check the path and permissions") from None
+    try:
+        return parse_json(data)
+    except ValueError as exc:
         raise ConvertError(f"{path}: {what} is not valid JSON ({exc}); {fix}") from None
 
 
 def _read_config(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
-    config = _read_json(path, "config", "fix or re-download config.json")
+    config = read_json(path, "config", "fix or re-download config.json")
     if not isinstance(config, dict):
         raise ConvertError(f"{path}: config is not a JSON object; fix or re-download config.json")
     return config
@@ -236,13 +321,24 @@ def _read_config(path: Path) -> dict[str, Any] | None:
 
 def _read_index(index_path: Path) -> dict[str, str]:
     fix = "fix or re-download model.safetensors.index.json"
-    index = _read_json(index_path, "index", fix)
+    index = read_json(index_path, "index", fix)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise ConvertError(f"{index_path}: index has no valid 'weight_map' (tensor name -> shard file); {fix}")
+    for name, shard in weight_map.items():
+        if not _is_plain_file_name(shard):
+            raise ConvertError(
+                f"{index_path}: tensor {_short(name)} is mapped to {_short(shard)}, not a file name in the "
+                f"checkpoint's directory; {fix}"
+            )
     return weight_map
+
+
+def _is_plain_file_name(name: str) -> bool:
+    """A shard named by the index must be a file beside it: no directories, no '..'."""
+    return name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
 
 
 def _locate(path: Path) -> tuple[Path, list[Path], Path | None]:
@@ -285,7 +381,7 @@ def _load_sharded(root: Path, index_path: Path) -> tuple[list[FileHeader], dict[
         shard_path = root / shard
         if not shard_path.is_file():
             raise ConvertError(
-                f"{index_path}: references shard '{shard}' which does not exist in {root}; "
+                f"{index_path}: references shard {_short(shard, 200)} which does not exist in {root}; "
                 "re-download the missing shard"
             )
         headers[shard] = read_header(shard_path)
@@ -299,7 +395,7 @@ def _load_sharded(root: Path, index_path: Path) -> tuple[list[FileHeader], dict[
     for name, shard in weight_map.items():
         if name not in entries:
             raise ConvertError(
-                f"{index_path}: lists tensor '{name}' in '{shard}' but that shard has no such "
+                f"{index_path}: lists tensor {_short(name, 200)} in {_short(shard, 200)} but that shard has no such "
                 "tensor; re-download the checkpoint or fix the index"
             )
     return list(headers.values()), entries
