@@ -48,7 +48,29 @@ def attention_names(source, spec: AttentionSpec, layer: int) -> list[str]:
 
 
 def check_layer(source, spec: AttentionSpec, layer: int) -> None:
-    """Presence and shapes of one layer's attention tensors, from headers only."""
+    """Presence, shapes and dtypes of one layer's attention tensors, from headers only; the
+    dtypes of the layer's other tensors too (and with layer 0, the model-level ones)."""
+    _check_attention_shapes(source, spec, layer)
+    names = attention_names(source, spec, layer) + spec.other_tensors(layer)
+    if layer == 0:
+        names += spec.other_tensors(None)
+    for name in names:
+        if name in source:
+            _check_floating(source, name)
+
+
+def _check_floating(source, name: str) -> None:
+    """A weight stored as integers or booleans is a damaged header (e.g. F32 relabelled I32), never a model."""
+    dtype = source.dtype(name)
+    if not dtype.is_floating_point:
+        where = f"{source.entry(name).file}: " if hasattr(source, "entry") else ""
+        raise ConvertError(
+            f"{where}{name} is stored as {str(dtype).removeprefix('torch.')}, but model weights are floating point; "
+            "the checkpoint's header is damaged or it is quantized: re-export it in float16/bfloat16/float32"
+        )
+
+
+def _check_attention_shapes(source, spec: AttentionSpec, layer: int) -> None:
     for proj, shape in expected_shapes(spec).items():
         name = spec.tensor(layer, proj)
         if name not in source:

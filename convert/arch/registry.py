@@ -1,8 +1,52 @@
 """The supported model families, as data."""
 
+import re
 from dataclasses import dataclass
 
 from convert.errors import ConvertError
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """One tensor a model family defines besides the attention weights.
+
+    name: template, `{i}` the layer index. shape: the config fields giving each dim
+    (None: the shape is checked with the attention's). when: "always"; "never" (the
+    family's module has no such parameter); "untied" (required unless
+    tie_word_embeddings, allowed either way when tied); or a config flag: present
+    exactly when the flag is true.
+    """
+
+    name: str
+    shape: tuple[str, ...] | None
+    when: str = "always"
+
+
+def _llama_tensors(attention_bias: dict[str, str]) -> tuple[TensorRule, ...]:
+    """The tensors of a Llama-style decoder (Llama, Mistral, Qwen2: same names and shapes)."""
+    layer = "model.layers.{i}."
+    d, v, inner = "hidden_size", "vocab_size", "intermediate_size"
+    rules = [
+        TensorRule("model.embed_tokens.weight", (v, d)),
+        TensorRule("model.norm.weight", (d,)),
+        TensorRule("lm_head.weight", (v, d), "untied"),
+        TensorRule(layer + "input_layernorm.weight", (d,)),
+        TensorRule(layer + "post_attention_layernorm.weight", (d,)),
+        TensorRule(layer + "mlp.gate_proj.weight", (inner, d)),
+        TensorRule(layer + "mlp.up_proj.weight", (inner, d)),
+        TensorRule(layer + "mlp.down_proj.weight", (d, inner)),
+        TensorRule(layer + "mlp.gate_proj.bias", (inner,), "mlp_bias"),
+        TensorRule(layer + "mlp.up_proj.bias", (inner,), "mlp_bias"),
+        TensorRule(layer + "mlp.down_proj.bias", (d,), "mlp_bias"),
+    ]
+    rules += [TensorRule(f"{layer}self_attn.{p}_proj.bias", None, when) for p, when in attention_bias.items()]
+    return tuple(rules)
+
+
+#: When each family has attention biases: Llama by its config flag, Qwen2 on q/k/v always, Mistral never.
+_LLAMA_BIAS = dict.fromkeys("qkvo", "attention_bias")
+_QWEN2_BIAS = {"q": "always", "k": "always", "v": "always", "o": "never"}
+_MISTRAL_BIAS = dict.fromkeys("qkvo", "never")
 
 
 @dataclass(frozen=True)
@@ -27,13 +71,23 @@ class ArchSpec:
     causal: bool
     hf_attention: str | None
     embed: str | None = None
+    tensors: tuple[TensorRule, ...] = ()
+
+    @property
+    def layer_pattern(self) -> str:
+        """Regex matching the name of any tensor of a numbered layer (group 1: the index); '' if none is numbered."""
+        numbered = next((t for t in self.layer_prefixes if "{i}" in t), None)
+        if numbered is None:
+            return ""
+        before = numbered.split("{i}")[0]
+        return "^" + re.escape(before) + r"(\d+)\."
 
     def tensor(self, prefix: str, proj: str, kind: str = "weight") -> str:
         """Full tensor name, e.g. ('model.layers.3.self_attn.', 'k') -> '...k_proj.weight'."""
         return f"{prefix}{getattr(self, proj)}.{kind}"
 
 
-def _hf(name: str, attention: str, model_types: tuple[str, ...] | None = None) -> ArchSpec:
+def _hf(name: str, attention: str, bias: dict[str, str], model_types: tuple[str, ...] | None = None) -> ArchSpec:
     return ArchSpec(
         name=name,
         model_types=model_types or (name,),
@@ -47,13 +101,14 @@ def _hf(name: str, attention: str, model_types: tuple[str, ...] | None = None) -
         causal=True,
         hf_attention=f"transformers.models.{name}.modeling_{name}:{attention}",
         embed="model.embed_tokens.weight",
+        tensors=_llama_tensors(bias),
     )
 
 
 ARCHS: dict[str, ArchSpec] = {
-    "llama": _hf("llama", "LlamaAttention"),
-    "mistral": _hf("mistral", "MistralAttention"),
-    "qwen2": _hf("qwen2", "Qwen2Attention"),
+    "llama": _hf("llama", "LlamaAttention", _LLAMA_BIAS),
+    "mistral": _hf("mistral", "MistralAttention", _MISTRAL_BIAS),
+    "qwen2": _hf("qwen2", "Qwen2Attention", _QWEN2_BIAS),
     # The seed's MyGQA: per-layer W_Q/W_K/W_V/W_O, no RoPE, no mask, tiled head map.
     "seed": ArchSpec(
         name="seed",
@@ -96,7 +151,7 @@ def find_arch(model_type: str | None, requested: str | None) -> ArchSpec:
         )
     if by_type is None and requested is None:
         raise ConvertError(
-            "no config.json beside the checkpoint and no --arch: pass --arch "
-            f"({', '.join(ARCHS)}) and the head counts (--n-heads, --n-kv-heads)"
+            "the architecture is unknown (no config.json beside the checkpoint, or one without model_type) and "
+            f"no --arch: pass --arch ({', '.join(ARCHS)}) and the head counts (--n-heads, --n-kv-heads)"
         )
     return by_type or ARCHS[requested]

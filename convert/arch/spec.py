@@ -5,10 +5,12 @@ tensor shapes must agree with both. Every refusal names the field or tensor
 and says what to do.
 """
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from convert.arch.registry import ArchSpec, find_arch
+from convert.arch.registry import ArchSpec, TensorRule, find_arch
+from convert.arch.validate import check_config
 from convert.errors import ConvertError
 from convert.linalg.heads import HEAD_MAPS
 
@@ -35,6 +37,11 @@ class AttentionSpec:
     def tensor(self, layer: int, proj: str, kind: str = "weight") -> str:
         return self.arch.tensor(self.prefix(layer), proj, kind)
 
+    def other_tensors(self, layer: int | None) -> list[str]:
+        """The family's non-attention tensors of `layer` (None: the model-level ones: embedding, norm, lm_head)."""
+        rules = [r.name for r in self.arch.tensors if ("{i}" in r.name) == (layer is not None)]
+        return [name.format(i=layer) for name in rules]
+
 
 def _flag_or_config(config: dict, field: str, flag: str, value: int | None) -> int | None:
     """The config's value, checked against the flag's when both are given."""
@@ -46,18 +53,57 @@ def _flag_or_config(config: dict, field: str, flag: str, value: int | None) -> i
     return in_config if in_config is not None else value
 
 
-def _layer_template(arch: ArchSpec, keys: set[str]) -> tuple[str, int]:
-    """The first prefix template whose layer-0 query weight exists, and the layer count."""
+def _layer_template(arch: ArchSpec, keys: set[str]) -> str:
+    """The first prefix template whose layer-0 query weight exists."""
     for template in arch.layer_prefixes:
         if arch.tensor(template.format(i=0), "q") in keys:
-            if "{i}" not in template:
-                return template, 1
-            n = 0
-            while arch.tensor(template.format(i=n), "q") in keys:
-                n += 1
-            return template, n
+            return template
     expected = arch.tensor(arch.layer_prefixes[0].format(i=0), "q")
-    raise ConvertError(f"no attention tensors of a {arch.name} model found (looked for {expected!r}); check --arch")
+    raise ConvertError(
+        f"no attention tensors of a {arch.name} model found (looked for {expected!r}); the checkpoint is "
+        "incomplete, or not this architecture: check --arch or config.json model_type"
+    )
+
+
+def count_layers(arch: ArchSpec, template: str, keys: set[str]) -> int:
+    """Layers present: every index 0…n-1 holds tensors, none beyond; a gap is refused."""
+    if "{i}" not in template:
+        return 1
+    pattern = re.compile(arch.layer_pattern)
+    indices = set()
+    for name in keys:
+        match = pattern.match(name)
+        if match and len(match.group(1)) > 9:
+            raise ConvertError(f"tensor {name[:120]!r} has a layer index no model reaches; the checkpoint is corrupt")
+        if match:
+            indices.add(int(match.group(1)))
+    gaps = sorted(set(range(max(indices, default=-1) + 1)) - indices)
+    if gaps:
+        raise ConvertError(
+            f"the checkpoint has tensors of layer {max(indices)} but none of layer {gaps[0]} "
+            f"({template.format(i=gaps[0])}…); it is incomplete: re-download or re-export it"
+        )
+    return len(indices)
+
+
+def _check_layer_count(config: dict, n_layers: int) -> None:
+    """config.json's num_hidden_layers must be the number of layers the checkpoint holds."""
+    declared = config.get("num_hidden_layers")
+    if declared is not None and declared != n_layers:
+        raise ConvertError(
+            f"config.json num_hidden_layers={declared} but the checkpoint holds {n_layers} layers; fix "
+            "num_hidden_layers, or re-download the checkpoint if layers are missing"
+        )
+
+
+def _matrix(name: str, shape: Callable[[str], tuple[int, ...]]) -> tuple[int, int]:
+    """(rows, columns) of a weight that must be a matrix."""
+    dims = tuple(shape(name))
+    if len(dims) != 2:
+        raise ConvertError(
+            f"{name} has shape {list(dims)}, not a matrix [out, in]; the checkpoint is corrupt: re-export it"
+        )
+    return dims
 
 
 def _refuse_qk_norm(keys: Iterable[str]) -> None:
@@ -69,11 +115,23 @@ def _refuse_qk_norm(keys: Iterable[str]) -> None:
         )
 
 
+def _rope_dicts(config: dict) -> list[tuple[str, dict]]:
+    """(field, parameters) of every RoPE parameter set: rope_parameters and rope_scaling, and per
+    layer type where transformers 5 nests them (types already checked by `check_config`)."""
+    found = []
+    for field in ("rope_parameters", "rope_scaling"):
+        params = config.get(field) or {}
+        nested = params and all(isinstance(v, dict) for v in params.values())
+        found += [(f"{field}.{k}", v) for k, v in params.items()] if nested else [(field, params)]
+    return found
+
+
 def _check_rope_config(config: dict) -> None:
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if factor != 1.0:
-        raise ConvertError(f"config.json partial_rotary_factor={factor}: partial RoPE is not supported yet")
+    factors = [("partial_rotary_factor", config.get("partial_rotary_factor"))]
+    factors += [(f"{field}.partial_rotary_factor", p.get("partial_rotary_factor")) for field, p in _rope_dicts(config)]
+    for field, factor in factors:
+        if factor is not None and factor != 1.0:
+            raise ConvertError(f"config.json {field}={factor}: partial RoPE is not supported yet")
     for field in ("attn_logit_softcapping", "query_pre_attn_scalar"):
         if config.get(field) is not None:
             raise ConvertError(f"config.json {field}={config[field]} is not supported for this architecture")
@@ -96,26 +154,36 @@ def resolve_attention(
     keys/shape: the checkpoint's tensor names and a shape lookup.
     """
     config = config or {}
+    check_config(config)
     keys = set(keys)
     spec = find_arch(config.get("model_type"), arch)
+    if _is_hf_config(spec, config):
+        _require_fields(spec, config)
     _refuse_qk_norm(keys)
-    template, n_layers = _layer_template(spec, keys)
-    n_layers = _flag_or_config(config, "num_hidden_layers", "layers", None) or n_layers
+    template = _layer_template(spec, keys)
+    n_layers = count_layers(spec, template, keys)
+    _check_layer_count(config, n_layers)
     prefix0 = template.format(i=0)
-    q_rows, hidden = shape(spec.tensor(prefix0, "q"))
+    q_rows, hidden = _matrix(spec.tensor(prefix0, "q"), shape)
     k_name = spec.tensor(prefix0, "k")
     if k_name not in keys:
         raise ConvertError(f"layer 0 has no {k_name!r}; the checkpoint is incomplete or not a {spec.name} model")
-    k_rows = shape(k_name)[0]
+    k_rows = _matrix(k_name, shape)[0]
 
     n_heads = _flag_or_config(config, "num_attention_heads", "--n-heads", n_heads)
     if n_heads is None:
         raise ConvertError("the number of query heads is unknown (no config.json): pass --n-heads")
-    head_dim = _flag_or_config(config, "head_dim", "--head-dim", head_dim) or q_rows // n_heads
-    n_kv_heads = _flag_or_config(config, "num_key_value_heads", "--n-kv-heads", n_kv_heads)
-    n_kv_heads = n_kv_heads or k_rows // head_dim
+    if n_heads <= 0:
+        raise ConvertError(f"--n-heads {n_heads} is not a positive number of query heads; pass the model's head count")
     hidden_size = config.get("hidden_size", hidden)
+    head_dim = _flag_or_config(config, "head_dim", "--head-dim", head_dim) or _default_head_dim(
+        spec, config, hidden_size, q_rows, n_heads
+    )
+    n_kv_heads = _flag_or_config(config, "num_key_value_heads", "--n-kv-heads", n_kv_heads)
+    n_kv_heads = n_kv_heads or (n_heads if _is_hf_config(spec, config) else k_rows // head_dim)
     _check_geometry(spec, prefix0, n_heads, n_kv_heads, head_dim, hidden_size, q_rows, k_rows, hidden)
+    if _is_hf_config(spec, config):
+        _check_model_tensors(spec, config, hidden_size, n_layers, keys, shape)
 
     head_map = head_map or spec.head_map
     if head_map not in HEAD_MAPS:
@@ -136,6 +204,77 @@ def resolve_attention(
         softmax_scale=head_dim**-0.5,
         layer_prefix_template=template,
     )
+
+
+def _is_hf_config(arch: ArchSpec, config: dict) -> bool:
+    """Whether `config` is a transformers family's config.json (not a bare file's flags)."""
+    return arch.hf_attention is not None and config.get("model_type") is not None
+
+
+#: Fields whose absence transformers fills with a default of its own (e.g. 32 layers, 4096 hidden),
+#: not this checkpoint's: a config.json of a transformers family must give them.
+REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
+
+
+def _require_fields(arch: ArchSpec, config: dict) -> None:
+    missing = [f for f in REQUIRED_FIELDS if config.get(f) is None]
+    if missing:
+        raise ConvertError(
+            f"config.json has no {missing[0]}; transformers would build a {arch.name} model with its default "
+            f"{missing[0]}, not this checkpoint's: add the model's {missing[0]}"
+        )
+
+
+def _default_head_dim(arch: ArchSpec, config: dict, hidden_size: int, q_rows: int, n_heads: int) -> int:
+    """head_dim when neither config.json nor a flag gives it: transformers' rule for its families
+    (hidden_size // num_attention_heads), else what the query weight's rows imply."""
+    return hidden_size // n_heads if _is_hf_config(arch, config) else q_rows // n_heads
+
+
+def _presence(rule: TensorRule, config: dict) -> tuple[bool, bool]:
+    """(required, allowed) of a rule's tensor under this config."""
+    if rule.when in ("always", "never"):
+        return rule.when == "always", rule.when == "always"
+    if rule.when == "untied":
+        return not config.get("tie_word_embeddings", False), True
+    return bool(config.get(rule.when, False)), bool(config.get(rule.when, False))
+
+
+def _check_model_tensors(arch: ArchSpec, config: dict, hidden_size: int, n_layers: int, keys: set[str], shape) -> None:
+    """The family's other tensors (embedding, norms, MLP, lm_head, attention biases): present exactly
+    when config.json says the model has them, with the shapes its fields give."""
+    dims = {"hidden_size": hidden_size, **{f: config.get(f) for f in ("vocab_size", "intermediate_size")}}
+    for rule in arch.tensors:
+        required, allowed = _presence(rule, config)
+        layers = range(n_layers) if "{i}" in rule.name else [None]
+        for name in (rule.name.format(i=i) for i in layers):
+            if name in keys and not allowed:
+                raise ConvertError(
+                    f"the checkpoint has {name} but config.json says a {arch.name} model without it "
+                    f"({_why_absent(rule)}); fix config.json or remove the tensor"
+                )
+            if required and name not in keys:
+                raise ConvertError(
+                    f"the checkpoint has no {name}, which config.json's {arch.name} model needs; "
+                    "the checkpoint is incomplete: re-download or re-export it"
+                )
+            if name in keys and rule.shape is not None:
+                _check_rule_shape(name, tuple(shape(name)), rule.shape, dims)
+
+
+def _why_absent(rule: TensorRule) -> str:
+    return "the family has no such parameter" if rule.when == "never" else f"{rule.when} is false or absent"
+
+
+def _check_rule_shape(name: str, actual: tuple[int, ...], fields: tuple[str, ...], dims: dict) -> None:
+    """A tensor's shape against the config fields that give it (a field the config lacks is not checked)."""
+    expected = [dims[f] for f in fields]
+    if len(actual) != len(expected) or any(e is not None and a != e for a, e in zip(actual, expected)):
+        described = ", ".join(f"{f}={dims[f]}" for f in dict.fromkeys(fields))
+        raise ConvertError(
+            f"{name} has shape {list(actual)}, expected {[e if e is not None else '?' for e in expected]} "
+            f"from config.json {described}; config.json does not describe this checkpoint"
+        )
 
 
 def _check_geometry(spec, prefix, n_heads, n_kv_heads, head_dim, hidden_size, q_rows, k_rows, hidden) -> None:
