@@ -23,6 +23,7 @@ def read_mla_config(path) -> dict:
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise ConvertError(f"{path} has no config.json; point at a directory written by `convert gqa2mla`")
+    __import__("convert.mla.schema").mla.schema.check_converted(path)
     config = json.loads(config_path.read_text())
     if "mla" not in config:
         raise ConvertError(
