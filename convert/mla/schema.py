@@ -366,7 +366,7 @@ def _meta_state_dict(config: dict, where: str) -> dict:
 
     try:
         return meta_state_dict(config)
-    except Exception as exc:  # noqa: BLE001  transformers refuses a config with many exception types
+    except Exception as exc:  # transformers refuses a config with many exception types: all become one line
         reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise ConvertError(
             f"{where}: transformers cannot build the model it describes ({reason}); {RECONVERT}"
