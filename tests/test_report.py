@@ -34,8 +34,9 @@ def test_report_opens_with_verdict_rule_and_bounds(float64_run):
     assert lines[2] == "Decided by the exact conversion: round-off bounds of float32."  # the checkpoint's dtype
     decision = result.report["decision"]
     names = [c["name"] for c in decision["checks"]]
-    assert names[:2] == ["layer 0 relative error", "layer 1 relative error"]
-    assert names[2:] == ["logits relative error", "perplexity ratio − 1 (abs.)", "top-1 agreement"]
+    assert names[0] == "tensors copied from the original, byte for byte"
+    assert names[1:3] == ["layer 0 relative error", "layer 1 relative error"]
+    assert names[3:] == ["logits relative error", "perplexity ratio − 1 (abs.)", "top-1 agreement"]
     assert all(c["ok"] for c in decision["checks"]) and decision["failures"] == []
     table = markdown[: markdown.index("## Per layer")]
     assert "| worst layer relative error" in table and "≤ 1e-05" in table and "≥ 0.999" in table
@@ -65,7 +66,7 @@ def test_lossy_report_says_the_ppl_ratio_decided(tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "out" / "verification.json").read_text())
     assert report["decision"]["rule"] == "lossy conversion: perplexity ratio on the text ≤ --max-ppl-ratio 1000.0"
-    assert [c["name"] for c in report["decision"]["checks"]] == ["perplexity ratio"]
+    assert [c["name"] for c in report["decision"]["checks"]][1:] == ["perplexity ratio"]
     markdown = (tmp_path / "out" / "verification.md").read_text()
     assert "## Per layer (information: a lossy conversion is judged by perplexity)" in markdown
     assert "1e-05" not in markdown.split("## Per layer")[0]  # no exact-conversion bound is shown as applied
@@ -109,3 +110,32 @@ def _tiny_state():
 
 def _tiny_config():
     return json.loads((TINY_LLAMA / "config.json").read_text())
+
+
+def _converted_copy(tmp_path, float64_run):
+    import shutil
+
+    result, _ = float64_run
+    copy = tmp_path / "copy"
+    shutil.copytree(result.output, copy)
+    return copy
+
+
+def test_verify_fails_when_a_copied_tensor_was_changed(tmp_path, float64_run):
+    from safetensors.torch import load_file, save_file
+
+    copy = _converted_copy(tmp_path, float64_run)
+    tensors = load_file(copy / "model.safetensors")
+    tensors["model.embed_tokens.weight"][0] += 1.0  # one row: random verification tokens may never read it
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    result = CliRunner().invoke(main, ["verify", str(TINY_LLAMA), str(copy), "--dtype", "float32", "-q"])
+    assert result.exit_code == 1 and result.output.strip() == "FAIL"
+
+
+def test_verify_refuses_a_pair_whose_configs_differ(tmp_path, float64_run):
+    copy = _converted_copy(tmp_path, float64_run)
+    config = json.loads((copy / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-3
+    (copy / "config.json").write_text(json.dumps(config))
+    result = CliRunner().invoke(main, ["verify", str(TINY_LLAMA), str(copy), "--dtype", "float32", "-q"])
+    assert result.exit_code == 2 and "rms_norm_eps=0.001" in result.stderr and "ORIGINAL" in result.stderr

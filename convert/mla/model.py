@@ -15,6 +15,7 @@ from convert.arch import ARCHS
 from convert.errors import ConvertError
 from convert.hf import build_causal_lm, load_strict
 from convert.mla.attention import build_mla_attention
+from convert.mla.schema import check_converted
 from convert.options import TORCH_DTYPES
 
 
@@ -23,7 +24,7 @@ def read_mla_config(path) -> dict:
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise ConvertError(f"{path} has no config.json; point at a directory written by `convert gqa2mla`")
-    __import__("convert.mla.schema").mla.schema.check_converted(path)
+    check_converted(path)
     config = json.loads(config_path.read_text())
     if "mla" not in config:
         raise ConvertError(

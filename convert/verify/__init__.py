@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from convert.errors import ConvertError
+from convert.hf import source_fields
 from convert.io import open_checkpoint
 from convert.mla.model import load_mla_model, read_mla_config
 from convert.options import VerifyOptions
@@ -22,7 +23,7 @@ from convert.plan import available_memory_bytes, whole_model_memory_bytes
 from convert.text import model_tokenizer, text_token_ids
 from convert.verify.e2e import end_to_end
 from convert.verify.layers import LayerRun, check_hf_layers, check_seed_layers
-from convert.verify.report import coarsest, decide, render_markdown, thresholds, write_report
+from convert.verify.report import check, coarsest, decide, render_markdown, thresholds, write_report
 
 __all__ = ["render_markdown", "verify", "verify_paths", "write_report"]
 
@@ -69,6 +70,8 @@ def verify_paths(original, converted, **options) -> dict:
     config = read_mla_config(converted)
     mla = config["mla"]
     with open_checkpoint(original) as orig, open_checkpoint(converted) as conv:
+        _check_same_source(orig, config, converted)
+        copied = copied_tensors_check(orig, conv, mla)
         run = LayerRun(orig, conv, config, run_device, run_dtype)
         runnable = mla["source_architecture"] != "seed"
         ckpt_dtype = conv.dtype(next(k for k in conv.keys() if "self_attn" in k or "W_" in k or "_down" in k))
@@ -95,7 +98,38 @@ def verify_paths(original, converted, **options) -> dict:
         limits = thresholds(coarsest(run_dtype, ckpt_dtype), max_ppl_ratio)
         inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(text, ids)}
     timings["total_s"] = time.perf_counter() - start
-    return _report(opts, layers, e2e, skipped, limits, inputs, timings)
+    return _report(opts, layers, e2e, skipped, limits, inputs, timings, [copied])
+
+
+def _check_same_source(orig, config: dict, converted) -> None:
+    """ORIGINAL must be the model CONVERTED was made from: the converted config.json keeps the
+    source's fields verbatim (under its own model type), so any difference is a wrong pair
+    or a damaged directory. Refused before any model is built."""
+    if orig.config is None:
+        return  # a bare safetensors file: the tensors' shapes are checked as the layers load
+    ours, theirs = source_fields(config), source_fields(orig.config)
+    for key in sorted(set(ours) | set(theirs)):
+        if ours.get(key) != theirs.get(key):
+            raise ConvertError(
+                f"{Path(converted) / 'config.json'}: {key}={ours.get(key)!r} but the original's config.json has "
+                f"{theirs.get(key)!r}; ORIGINAL is not the model CONVERTED was made from (or one was edited): "
+                "pass the right pair, or re-convert"
+            )
+
+
+def copied_tensors_check(orig, conv, mla: dict) -> dict:
+    """Every tensor outside attention is copied byte for byte: compare each with the original's."""
+    prefixes = tuple(mla["layer_prefix"].format(i=i) for i in range(mla["n_layers"]))
+    names = [n for n in conv.keys() if n in orig and not (prefixes and n.startswith(prefixes))]
+    differ = [n for n in names if orig.raw_bytes(n) != conv.raw_bytes(n)]
+    failure = f"{len(differ)} tensor(s) copied from the original differ from it, e.g. {differ[0]!r}" if differ else ""
+    return check(
+        "tensors copied from the original, byte for byte",
+        f"{len(names) - len(differ)}/{len(names)}",
+        "all",
+        not differ,
+        failure,
+    )
 
 
 def is_export(directory) -> bool:
@@ -103,7 +137,7 @@ def is_export(directory) -> bool:
     config = Path(directory) / "config.json"
     try:
         return "convert_export" in json.loads(config.read_text())
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, RecursionError):
         return False  # the native checks say what is wrong with it
 
 
@@ -132,9 +166,9 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
     return _report(opts, [], e2e, None, limits, inputs, timings)
 
 
-def _report(opts: VerifyOptions, layers, e2e, skipped, limits, inputs, timings) -> dict:
+def _report(opts: VerifyOptions, layers, e2e, skipped, limits, inputs, timings, extra_checks=()) -> dict:
     """The report dict (schema in convert.verify.report)."""
-    decision = decide(layers, e2e, limits)
+    decision = decide(layers, e2e, limits, extra_checks)
     device = opts.torch_device
     return {
         "schema": "convert.verification/1",

@@ -47,7 +47,7 @@ def thresholds(dtype_name: str, max_ppl_ratio: float | None) -> dict:
     }
 
 
-def decide(layers: list[dict], e2e: dict | None, limits: dict) -> dict:
+def decide(layers: list[dict], e2e: dict | None, limits: dict, extra_checks=()) -> dict:
     """The verdict, the rule that decided it and every figure it compared against its bound.
 
     exact (no --max-ppl-ratio): every layer's relative error, the logits' relative
@@ -60,21 +60,23 @@ def decide(layers: list[dict], e2e: dict | None, limits: dict) -> dict:
     else:
         checks = _exact_checks(layers, e2e, limits)
         rule = f"exact conversion: round-off bounds of {limits['dtype']}"
+    checks = list(extra_checks) + checks  # checks that hold whatever the rule (e.g. copied tensors)
     failed = [c["failure"] for c in checks if not c["ok"]]
     return {"verdict": "FAIL" if failed else "PASS", "rule": rule, "checks": checks, "failures": failed}
 
 
-def _check(name: str, value, bound, ok: bool, failure: str) -> dict:
+def check(name: str, value, bound, ok: bool, failure: str) -> dict:
+    """One figure the verdict compared against its bound."""
     return {"name": name, "value": value, "bound": bound, "ok": bool(ok), "failure": failure}
 
 
 def _lossy_check(e2e: dict | None, max_ratio: float) -> dict:
     if e2e is None:
-        return _check(
+        return check(
             "perplexity ratio", None, max_ratio, False, "--max-ppl-ratio needs the end-to-end check, which did not run"
         )
     ratio = e2e["ppl_ratio"]
-    return _check(
+    return check(
         "perplexity ratio",
         ratio,
         f"≤ {max_ratio}",
@@ -86,7 +88,7 @@ def _lossy_check(e2e: dict | None, max_ratio: float) -> dict:
 def _exact_checks(layers: list[dict], e2e: dict | None, limits: dict) -> list[dict]:
     bound = limits["layer_rel_error"]
     checks = [
-        _check(
+        check(
             f"layer {r['layer']} relative error",
             r["rel_error"],
             f"≤ {bound:.0e}",
@@ -99,14 +101,14 @@ def _exact_checks(layers: list[dict], e2e: dict | None, limits: dict) -> list[di
         return checks
     logits, ppl, top1 = e2e["logits_rel_error"], abs(e2e["ppl_ratio"] - 1), e2e["top1_agreement"]
     return checks + [
-        _check(
+        check(
             "logits relative error",
             logits,
             f"≤ {limits['logits_rel_error']:.0e}",
             logits <= limits["logits_rel_error"],
             f"logits relative error {logits:.3e} > {limits['logits_rel_error']:.0e}",
         ),
-        _check(
+        check(
             "perplexity ratio − 1 (abs.)",
             ppl,
             f"≤ {limits['ppl_rel_diff']:.0e}",
@@ -114,7 +116,7 @@ def _exact_checks(layers: list[dict], e2e: dict | None, limits: dict) -> list[di
             f"perplexity {e2e['ppl_original']:.6g} -> {e2e['ppl_converted']:.6g} differs by more than "
             f"{limits['ppl_rel_diff']:.0e}",
         ),
-        _check(
+        check(
             "top-1 agreement",
             top1,
             f"≥ {limits['top1_agreement']}",
