@@ -271,13 +271,19 @@ def gqa2mla(src, output=None, **options) -> ConversionResult:
                     writer.write_raw(name, source.raw_bytes(name))
             infos = _convert_layers(source, plan, opts, stats, writer.write)
             config = output_config(source.config, plan, opts, infos)
-            writer.write_json("config.json", config)
-            _copy_aux_files(source, writer)
-            timings["convert_s"] = time.perf_counter() - t0
-            report = _verify_into(writer, src, opts, timings) if opts.verify else None
-            final = writer.commit()
+            final, report = _finish(writer, source, src, config, opts, timings, t0)
     timings["total_s"] = time.perf_counter() - start
     return ConversionResult(final, config, infos, plan.sizes(), timings, report, config["mla"]["notes"], plan)
+
+
+def _finish(writer: CheckpointWriter, source: Checkpoint, src: Path, config: dict, opts, timings: dict, t0: float):
+    """config.json and the model directory's other files, verification, then the atomic commit.
+    Returns (the committed output directory, the report or None)."""
+    writer.write_json("config.json", config)
+    _copy_aux_files(source, writer)
+    timings["convert_s"] = time.perf_counter() - t0
+    report = _verify_into(writer, src, opts, timings) if opts.verify else None
+    return writer.commit(), report
 
 
 def _verify_into(writer: CheckpointWriter, src: Path, opts: ConvertOptions, timings: dict) -> dict:
@@ -308,11 +314,7 @@ def _export_transformers(src: Path, source: Checkpoint, output: Path, opts: Conv
         t0 = time.perf_counter()
         for name, tensor in tensors.items():
             writer.write(name, tensor.contiguous())
-        writer.write_json("config.json", config)
-        _copy_aux_files(source, writer)
-        timings["convert_s"] = time.perf_counter() - t0
-        report = _verify_into(writer, src, opts, timings) if opts.verify else None
-        final = writer.commit()
+        final, report = _finish(writer, source, src, config, opts, timings, t0)
     timings["total_s"] = time.perf_counter() - start
     notes = [
         "DeepseekV3ForCausalLM for stock transformers: exact, but not for vLLM (it ignores the longrope "
