@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import EXACT_TOL, TINY_LLAMA, converted_attention, hf_inputs, reference_attention, rel_err
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from convert.cli import main
+
+from conftest import EXACT_TOL, TINY_LLAMA, converted_attention, hf_inputs, reference_attention, rel_err
 
 ATTN = "model.layers.{i}.self_attn.{p}.weight"
 
@@ -274,7 +275,9 @@ def test_happy_path(tmp_path, tiny_llama_dir):
     # the source's fields under convert's own model type (the source's is kept in mla)
     assert config["model_type"] == "convert_mla" and config["mla"]["source_model_type"] == source_config["model_type"]
     kept = ("mla", "model_type", "architectures")
-    assert {k: v for k, v in config.items() if k not in kept} == {k: v for k, v in source_config.items() if k not in kept}
+    assert {k: v for k, v in config.items() if k not in kept} == {
+        k: v for k, v in source_config.items() if k not in kept
+    }
     mla = config["mla"]
     assert mla["layout"] == "absorbed" and mla["latent"] == "split" and mla["head_map"] == "grouped"
     assert len(mla["layers"]) == source_config["num_hidden_layers"]

@@ -9,10 +9,11 @@ mask. Relative Frobenius error: <= 1e-5 in float32, <= 1e-10 in float64.
 
 import pytest
 import torch
-from conftest import EXACT_TOL, converted_attention, hf_inputs, hf_model, mla_attention, reference_attention, rel_err
 
 import convert
 from convert import ConvertError
+
+from conftest import EXACT_TOL, converted_attention, hf_inputs, hf_model, mla_attention, reference_attention, rel_err
 
 DTYPES = [torch.float32, torch.float64]
 LAYOUTS = ["absorbed", "factored"]

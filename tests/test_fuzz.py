@@ -32,9 +32,10 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import REPO, TINY_LLAMA
 
 from convert.cli import main
+
+from conftest import REPO, TINY_LLAMA
 
 SEED = 20250612
 N_HEADER, N_CONFIG, N_VERIFY = 500, 300, 50  # at least this many cases of each

@@ -9,10 +9,11 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY_LLAMA
 
 import convert
 from convert.hf import MLA_MODEL_TYPE
+
+from conftest import TINY_LLAMA
 
 
 @pytest.fixture(scope="module")

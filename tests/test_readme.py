@@ -26,7 +26,9 @@ def test_ci_runs_the_two_quick_start_commands_verbatim():
 
 def test_layout_section_names_every_module():
     layout = _section("Layout of the code")
-    modules = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "convert").rglob("*.py") if p.name != "__init__.py")
+    modules = sorted(
+        p.relative_to(REPO).as_posix() for p in (REPO / "convert").rglob("*.py") if p.name != "__init__.py"
+    )
     missing = [m for m in modules if m not in layout]
     assert not missing, f"README 'Layout of the code' does not name {missing}"
     assert "cli.py" in layout.replace("convert/cli.py", "")  # the top-level shim too

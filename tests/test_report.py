@@ -8,11 +8,12 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import TINY_LLAMA
 
 import convert
 from convert.cli import main
 from convert.errors import ConvertError
+
+from conftest import TINY_LLAMA
 
 
 def _convert(tmp_path, *extra):

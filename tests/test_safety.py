@@ -29,7 +29,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import REPO, TINY_LLAMA
 
 import convert
 import convert.io.atomic as atomic
@@ -37,6 +36,8 @@ import convert.io.writer as writer_module
 from convert.cli import main
 from convert.errors import ConvertError, EnvironmentFailure
 from convert.io import MANIFEST_NAME, CheckpointWriter, output_lock
+
+from conftest import REPO, TINY_LLAMA
 
 # ------------------------------------------------------------------ helpers
 
@@ -403,7 +404,12 @@ def _start(tmp_path: Path, src: Path, out: Path, pause_at: str, pause_s: float =
     driver.write_text(DRIVER)
     env = {**os.environ, "PAUSE_AT": pause_at, "PAUSE_S": str(pause_s), "PYTHONPATH": str(REPO)}
     args = [sys.executable, str(driver), "gqa2mla", str(src), "-o", str(out), "--force", "--no-verify", "-q"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    # a shell's background job inherits SIGINT ignored; Python then installs no KeyboardInterrupt handler,
+    # so the child gets SIGINT's default disposition back, as it has when a user runs it in a terminal
+    restore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, preexec_fn=restore_sigint
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         ready, _, _ = select.select([proc.stdout], [], [], deadline - time.monotonic())

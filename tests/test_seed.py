@@ -13,11 +13,12 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import EXACT_TOL, mla_attention, rel_err, seed_gqa
-from convert.verify.seed import GQA_2_MLA, MyMHA, reduced_matrices
 
 import convert
 from convert.linalg import absorb_output, absorb_query, expand_groups, real_factor, tile_rows
+from convert.verify.seed import GQA_2_MLA, MyMHA, reduced_matrices
+
+from conftest import EXACT_TOL, mla_attention, rel_err, seed_gqa
 
 DTYPES = [torch.float32, torch.float64]
 LAYOUTS = ["absorbed", "factored"]

@@ -12,11 +12,12 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import EVAL_TOKENS, GREEDY_TOKENS
 
 import convert
 from convert.cli import main
 from convert.verify.e2e import compare_models
+
+from conftest import EVAL_TOKENS, GREEDY_TOKENS
 
 pytestmark = [pytest.mark.realdata, pytest.mark.slow]
 

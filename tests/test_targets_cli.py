@@ -5,9 +5,10 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from conftest import TINY_LLAMA
 
 from convert.cli import main
+
+from conftest import TINY_LLAMA
 
 
 @pytest.fixture(scope="module")
