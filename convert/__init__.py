@@ -3,11 +3,12 @@
 Python API:
     gqa2mla(src, output=None, **options) -> ConversionResult
     convert_state_dict(state_dict, config, **options) -> MLAStateDict
+    to_mla(model, **options) -> the converted model, in memory (an nn.Module)
     load_mla_model(path, device=None, dtype=None) -> a transformers causal LM
 """
 
 from convert._version import __version__  # noqa: F401  (the public version)
-from convert.api import ConversionResult, MLAStateDict, convert_state_dict, gqa2mla
+from convert.api import ConversionResult, MLAStateDict, convert_state_dict, gqa2mla, to_mla
 from convert.errors import ConvertError, EnvironmentFailure
 from convert.hf import MLAConfig, MLAForCausalLM, register
 from convert.options import ConvertOptions
@@ -33,4 +34,5 @@ __all__ = [
     "convert_state_dict",
     "gqa2mla",
     "load_mla_model",
+    "to_mla",
 ]

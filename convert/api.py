@@ -2,6 +2,7 @@
 
 result = convert.gqa2mla("model_dir", "model_dir-mla")
 mla_sd = convert.convert_state_dict(model.state_dict(), model.config)
+mla_model = convert.to_mla(model)
 """
 
 import time
@@ -215,6 +216,33 @@ def convert_state_dict(state_dict: dict[str, torch.Tensor], config, **options) -
     result.config = output_config(config, plan, opts, result.layers)
     result.plan = plan
     return result
+
+
+def to_mla(model, **options):
+    """Convert a live transformers GQA model in memory and return the MLA causal LM.
+
+    model: a causal LM of a supported architecture (its `config` and `state_dict()`
+    are read, nothing is changed). options: the fields of `ConvertOptions`, as for
+    `gqa2mla` (layout, rank, kv_cache_ratio, method, calib as a text path or token
+    ids (1, N), ...); output and verification fields do not apply. Returns the same
+    module, with the same weights, as `load_mla_model` returns for the directory
+    `gqa2mla` writes from this model: on the model's device, in its dtype, in eval
+    mode, an `nn.Module` whose `forward(input_ids, labels=...)` gives the usual loss.
+    No disk is involved.
+    """
+    from convert.mla.model import build_mla_model
+
+    opts = ConvertOptions.from_kwargs(**options)
+    if opts.target != "mla":
+        raise ConvertError(
+            f"to_mla builds this package's MLA model (target mla); --target {opts.target} writes a checkpoint "
+            "directory: use convert.gqa2mla(src, output, target=...)"
+        )
+    parameter = next(model.parameters())
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    converted = convert_state_dict(state, model.config, **options)
+    mla_model = build_mla_model(converted.config, converted, dtype=parameter.dtype)
+    return mla_model.to(parameter.device)
 
 
 # ------------------------------------------------------------------ files
