@@ -4,6 +4,7 @@ Python API:
     gqa2mla(src, output=None, **options) -> ConversionResult
     convert_state_dict(state_dict, config, **options) -> MLAStateDict
     to_mla(model, **options) -> the converted model, in memory (an nn.Module)
+    heal(model_or_path, texts, original=..., **options) -> HealResult (KL distillation)
     load_mla_model(path, device=None, dtype=None) -> a transformers causal LM
 """
 
@@ -14,6 +15,13 @@ from convert.hf import MLAConfig, MLAForCausalLM, register
 from convert.options import ConvertOptions
 
 register()  # `convert_mla` checkpoints load with transformers' Auto classes once convert is imported
+
+
+def heal(model_or_path, texts, **kwargs):
+    """Distil a converted model toward the original's logits (see convert.healing.heal)."""
+    from convert.healing import heal as _heal
+
+    return _heal(model_or_path, texts, **kwargs)
 
 
 def load_mla_model(path, device=None, dtype=None):
@@ -33,6 +41,7 @@ __all__ = [
     "MLAStateDict",
     "convert_state_dict",
     "gqa2mla",
+    "heal",
     "load_mla_model",
     "to_mla",
 ]

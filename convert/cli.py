@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from convert.errors import ConvertError
-from convert.options import ConvertOptions, VerifyOptions, cli_fields, field_default
+from convert.options import ConvertOptions, HealOptions, VerifyOptions, cli_fields, field_default
 
 EXIT_CODES = """\b
 Exit codes:
@@ -103,6 +103,7 @@ def main():
     \b
     convert gqa2mla MODEL        convert (exactly, by default) and verify
     convert verify ORIG CONV     re-check a converted checkpoint
+    convert heal CONV --text F   distil a (compressed) conversion toward the original
     (`convert-mla` is the same command, for machines where ImageMagick's
     `convert` comes first on PATH; `python cli.py` from a checkout.)
     """
@@ -167,6 +168,48 @@ def verify(original, converted, report_dir, **options):
         write_report(report, report_dir)
     click.echo(render_markdown(report) if options["progress"] else report["verdict"])
     sys.exit(0 if report["verdict"] == "PASS" else 1)
+
+
+@main.command(epilog=EXIT_CODES)
+@click.argument("converted", type=click.Path(path_type=Path))
+@click.option(
+    "--text",
+    "texts",
+    multiple=True,
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Text to heal on (UTF-8; repeat for several files). Use a different text than --eval-text.",
+)
+@click.option(
+    "--eval-text",
+    type=click.Path(path_type=Path),
+    help="Held-out text for the before/after perplexity (default: the last eighth of --text).",
+)
+@click.option(
+    "--original",
+    type=click.Path(path_type=Path),
+    help="The GQA checkpoint CONVERTED was made from (default: the one its verification.json names).",
+)
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Output directory (default: <CONVERTED>-healed).")
+@options_of(HealOptions)
+@_exits_cleanly
+def heal(converted, texts, eval_text, original, output, **options):
+    """Heal CONVERTED (a directory written by `convert gqa2mla`): distil its MLA projections
+    toward the original model's logits (KL on --text), everything else frozen.
+
+    The healed checkpoint is written to a new directory, atomically, with its report
+    (healing.json/.md: perplexity and KL before and after, on held-out tokens).
+    """
+    from convert.healing import heal as run
+
+    result = run(converted, list(texts), original=original, eval_texts=eval_text, output=output, **options)
+    if options["progress"]:
+        before, after = result.report["before"], result.report["after"]
+        click.echo(f"wrote {result.output}")
+        click.echo(
+            f"perplexity ratio to the original: {before['ppl_ratio']:.4f} -> {after['ppl_ratio']:.4f} "
+            f"({result.report['eval_tokens']} held-out tokens; {result.output / 'healing.md'})"
+        )
 
 
 if __name__ == "__main__":

@@ -58,8 +58,19 @@ def option(
     return field(default=default, metadata=meta)
 
 
+class _FromKwargs:
+    @classmethod
+    def from_kwargs(cls, **kwargs):
+        """Build from keyword options, refusing unknown names with the list of known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+
 @dataclass
-class VerifyOptions:
+class VerifyOptions(_FromKwargs):
     """How verification runs: on which inputs, where, in which precision, and how a lossy
     conversion is judged. Every field is a flag of `convert verify` and `convert gqa2mla`."""
 
@@ -91,15 +102,6 @@ class VerifyOptions:
     @property
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)
-
-    @classmethod
-    def from_kwargs(cls, **kwargs):
-        """Build from keyword options, refusing unknown names with the list of known ones."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**kwargs)
 
 
 @dataclass
@@ -262,6 +264,40 @@ class ConvertOptions(VerifyOptions):
     def verify_options(self) -> VerifyOptions:
         """The verification part of these options."""
         return VerifyOptions(**{f.name: getattr(self, f.name) for f in fields(VerifyOptions)})
+
+
+@dataclass
+class HealOptions(_FromKwargs):
+    """How `heal` trains: KL distillation of the MLA projections toward the original model.
+    Every field is a flag of `convert heal` and a keyword of `convert.heal`."""
+
+    steps: int = option(100, "Optimizer steps (one window of --text each).")
+    lr: float = option(1e-4, "AdamW learning rate of the MLA projections.")
+    window: int = option(256, "Tokens per training window.")
+    eval_window: int = option(1024, "Tokens per window of the before/after perplexity.")
+    tokens: int = option(8192, "Tokens of --text to use (the last eighth is held out unless --eval-text).")
+    seed: int = option(0, "Seed of the window order.")
+    device: str = option("auto", "Where to train: auto = CUDA when present, else CPU.", choices=DEVICES)
+    max_shard_size: int | str = option("5GB", "Start a new safetensors shard above this many bytes.", kind=str)
+    force: bool = option(False, "Replace the output directory if it exists (only one that convert wrote).")
+    progress: bool = option(True, "No progress bar or summary.", flag="--quiet", short="-q", off_flag="--quiet")
+
+    def __post_init__(self) -> None:
+        _choice("--device", self.device, DEVICES)
+        if self.device == "cuda":
+            resolve_device(self.device)
+        if self.steps < 1:
+            raise ConvertError(f"--steps {self.steps} must be at least 1")
+        if not self.lr > 0:
+            raise ConvertError(f"--lr {self.lr} must be a positive learning rate (e.g. 1e-4)")
+        if self.window < 2 or self.eval_window < 2:
+            raise ConvertError(f"--window {self.window} / --eval-window {self.eval_window}: at least 2 tokens each")
+        if self.tokens < 4:
+            raise ConvertError(f"--tokens {self.tokens} must be at least 4")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return resolve_device(self.device)
 
 
 def cli_fields(cls) -> list:

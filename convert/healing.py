@@ -1,0 +1,286 @@
+"""Healing: a short distillation of a converted model toward the original's logits.
+
+One-shot compression loses a little; every published method ends with a short
+fine-tune. Here the converted model's MLA projections (and only they: every other
+parameter stays frozen) are trained to minimise KL(original ‖ converted) of the
+next-token distributions on a calibration text, window by window. Before/after
+perplexity and KL are measured on held-out tokens the training never saw.
+
+`heal(model_or_path, texts, original=..., **options)` works on a live module (healed
+in place, e.g. the output of `convert.to_mla`) or on a converted directory (loaded,
+healed and written to a new directory atomically, like a conversion).
+"""
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from convert.errors import ConvertError
+from convert.options import HealOptions
+
+# Files of a converted directory that are not carried into a healed one: the weights
+# (rewritten), convert's own bookkeeping, and the conversion's report (it describes the
+# weights before healing; the healed directory's report is healing.json/.md).
+_NOT_CARRIED = {
+    "model.safetensors.index.json",
+    ".convert-manifest.json",
+    "verification.json",
+    "verification.md",
+    "verification.png",
+    "healing.json",
+    "healing.md",
+}
+
+
+@dataclass
+class HealResult:
+    """What `heal` did: the healed model and the figures of its report (`report`)."""
+
+    model: torch.nn.Module
+    report: dict
+    output: Path | None = None
+
+
+def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The MLA projections: every parameter of an attention module (`*.self_attn.*`)."""
+    found = {name: p for name, p in model.named_parameters() if ".self_attn." in name}
+    if not found:
+        raise ConvertError("the model has no `.self_attn.` parameters to heal; pass a converted MLA model")
+    return found
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of KL(teacher ‖ student), computed in float32 (logits (B, L, V))."""
+    log_student = torch.log_softmax(student_logits.float(), dim=-1)
+    log_teacher = torch.log_softmax(teacher_logits.float(), dim=-1)
+    return (log_teacher.exp() * (log_teacher - log_student)).sum(-1).mean()
+
+
+def _windows(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
+    """Non-overlapping windows (1, ≤window) of `ids` (1, N); a last window of one token is dropped."""
+    return [ids[:, s : s + window] for s in range(0, ids.shape[-1], window) if ids[:, s : s + window].shape[-1] > 1]
+
+
+def _measure(original, model, ids: torch.Tensor, window: int) -> dict:
+    from convert.verify.e2e import compare_models
+
+    was_training = model.training
+    model.eval()
+    figures = compare_models(original, model, ids, window=window)
+    model.train(was_training)
+    keys = ("ppl_original", "ppl_converted", "ppl_ratio", "kl_mean", "top1_agreement")
+    return {key: figures[key] for key in keys}
+
+
+def heal_model(model, original, train_ids: torch.Tensor, eval_ids: torch.Tensor, opts: HealOptions) -> dict:
+    """Distil `model` toward `original` on `train_ids` (1, N) in place; figures on `eval_ids`.
+
+    Only `trainable_parameters(model)` change (AdamW, lr `opts.lr`, gradients clipped
+    to norm 1); every parameter's `requires_grad` is restored afterwards.
+    """
+    device = next(model.parameters()).device
+    train_ids, eval_ids = train_ids.to(device), eval_ids.to(device)
+    windows = _windows(train_ids, opts.window)
+    if not windows:
+        raise ConvertError("--text: fewer than 2 training tokens; give a longer text")
+    before = _measure(original, model, eval_ids, opts.eval_window)
+    trainable = trainable_parameters(model)
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    original.requires_grad_(False)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in trainable)
+    optimizer = torch.optim.AdamW(list(trainable.values()), lr=opts.lr, weight_decay=0.0)
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(opts.seed))
+    losses, start = [], time.perf_counter()
+    was_training = model.training
+    model.train()
+    try:
+        bar = tqdm(range(opts.steps), desc="healing", unit="step", disable=None if opts.progress else True)
+        for step in bar:
+            chunk = windows[int(order[step % len(windows)])]  # (1, ≤window)
+            with torch.no_grad():
+                teacher = original(chunk).logits
+            loss = distillation_loss(model(chunk).logits, teacher)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(trainable.values()), 1.0)
+            optimizer.step()
+            losses.append(loss.item())
+            bar.set_postfix(kl=f"{losses[-1]:.4f}")
+    finally:
+        model.train(was_training)
+        for name, p in model.named_parameters():
+            p.requires_grad_(flags[name])
+    after = _measure(original, model, eval_ids, opts.eval_window)
+    return {
+        "steps": opts.steps,
+        "lr": opts.lr,
+        "window": opts.window,
+        "eval_window": opts.eval_window,
+        "seed": opts.seed,
+        "train_tokens": int(train_ids.shape[-1]),
+        "eval_tokens": int(eval_ids.shape[-1]),
+        "trained_parameters": sum(p.numel() for p in trainable.values()),
+        "train_kl_first": losses[0] if losses else None,
+        "train_kl_last": losses[-1] if losses else None,
+        "seconds": time.perf_counter() - start,
+        "device": str(device),
+        "before": before,
+        "after": after,
+    }
+
+
+def _split(ids: torch.Tensor, eval_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training and held-out tokens: `eval_ids` when given, else the last eighth of `ids`."""
+    if eval_ids is not None:
+        return ids, eval_ids
+    n_eval = max(2, ids.shape[-1] // 8)
+    if ids.shape[-1] - n_eval < 2:
+        raise ConvertError("--text is too short to hold out evaluation tokens; give a longer text or --eval-text")
+    return ids[:, :-n_eval], ids[:, -n_eval:]
+
+
+def _token_ids(texts, root: Path | None, vocab_size: int, n_tokens: int, what: str) -> torch.Tensor:
+    """Token ids (1, N) from ids, one text path, or several paths (concatenated)."""
+    from convert.text import text_token_ids
+
+    if isinstance(texts, torch.Tensor):
+        return texts.reshape(1, -1)[:, :n_tokens]
+    paths = [texts] if isinstance(texts, (str, Path)) else list(texts)
+    parts = [text_token_ids(Path(p), root or Path(p).parent, vocab_size, n_tokens, what) for p in paths]
+    return torch.cat(parts, dim=-1)[:, :n_tokens]
+
+
+def _original_of(converted: Path, given) -> Path:
+    """The original checkpoint: `--original`, else the one the conversion's report names."""
+    if given is not None:
+        return Path(given)
+    report = converted / "verification.json"
+    if report.is_file():
+        path = json.loads(report.read_text()).get("inputs", {}).get("original", {}).get("path")
+        if path and Path(path).exists():
+            return Path(path)
+    raise ConvertError(
+        f"{converted}: no --original given and no verification.json naming an existing original checkpoint; "
+        "pass --original PATH (the GQA checkpoint it was converted from)"
+    )
+
+
+def heal(model_or_path, texts, *, original=None, eval_texts=None, output=None, **options) -> HealResult:
+    """Distil a converted model toward the original's logits (KL on `texts`).
+
+    model_or_path: a converted MLA model (an nn.Module, e.g. from `convert.to_mla`;
+    healed in place) or a directory written by `convert gqa2mla` (loaded, healed and
+    written to `output`, default `<dir>-healed`, atomically; `force=True` replaces
+    only a directory convert wrote). texts: token ids (1, N), a UTF-8 text file, or
+    several. original: the original model (nn.Module) or its checkpoint path; for a
+    directory, default the one its verification.json names. eval_texts: held-out
+    text (default: the last eighth of `texts`). options: the fields of `HealOptions`
+    (steps, lr, window, tokens, device, seed, ...). Returns a `HealResult` whose
+    `report` has the before/after perplexity and KL on the held-out tokens.
+    """
+    opts = HealOptions.from_kwargs(**options)
+    if isinstance(model_or_path, torch.nn.Module):
+        if original is None:
+            raise ConvertError("heal(model, ...): pass original= (the model it was converted from)")
+        if output is not None:
+            raise ConvertError("heal(model, ...) heals the module in place; output= is for a converted directory")
+        orig_model = original if isinstance(original, torch.nn.Module) else _load_original(original, model_or_path)
+        vocab = model_or_path.config.vocab_size
+        ids = _token_ids(texts, None, vocab, opts.tokens, "texts")
+        eval_ids = None if eval_texts is None else _token_ids(eval_texts, None, vocab, opts.tokens, "eval_texts")
+        report = heal_model(model_or_path, orig_model, *_split(ids, eval_ids), opts)
+        return HealResult(model_or_path, report)
+    return _heal_directory(Path(model_or_path), texts, original, eval_texts, output, opts)
+
+
+def _load_original(path, like: torch.nn.Module):
+    from convert.hf import load_original
+    from convert.io import open_checkpoint
+
+    parameter = next(like.parameters())
+    with open_checkpoint(Path(path)) as source:
+        return load_original(source, source.config or {}, parameter.device, parameter.dtype)
+
+
+def default_healed_output(converted: Path) -> Path:
+    """`<dir>-healed` beside the converted directory."""
+    return converted.resolve().parent / f"{converted.name}-healed"
+
+
+def _heal_directory(converted: Path, texts, original, eval_texts, output, opts: HealOptions) -> HealResult:
+    from convert.io import CheckpointWriter, output_lock, parse_size
+    from convert.mla.model import load_mla_model, read_mla_config, weight_files
+
+    config = read_mla_config(converted)
+    original_path = _original_of(converted, original)
+    output = Path(output) if output is not None else default_healed_output(converted)
+    text_inputs = [
+        t for t in ([texts] if isinstance(texts, (str, Path)) else texts or []) if isinstance(t, (str, Path))
+    ]
+    with output_lock(output, [converted, original_path, *text_inputs], opts.force):
+        device = opts.torch_device
+        model = load_mla_model(converted, device=device, dtype=torch.float32)
+        orig_model = _load_original(original_path, model)
+        vocab = config["vocab_size"]
+        ids = _token_ids(texts, converted, vocab, opts.tokens, "--text")
+        eval_ids = None if eval_texts is None else _token_ids(eval_texts, converted, vocab, opts.tokens, "--eval-text")
+        report = heal_model(model, orig_model, *_split(ids, eval_ids), opts)
+        report["inputs"] = {"converted": str(converted), "original": str(original_path)}
+        report["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()}
+        state = model.state_dict()
+        layout, dtypes = {}, {}
+        for file in weight_files(converted):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    sliced = f.get_slice(name)
+                    dtypes[name] = _DTYPES[sliced.get_dtype()]
+                    layout[name] = (tuple(sliced.get_shape()), dtypes[name])
+        metadata = {"format": "pt", "mla_format_version": str(config["mla"]["format_version"])}
+        with CheckpointWriter(output, layout, parse_size(opts.max_shard_size), opts.force, metadata) as writer:
+            for name in layout:
+                writer.write(name, state[name].detach().to("cpu", dtypes[name]).contiguous())
+            for item in sorted(converted.iterdir()):
+                if item.is_file() and item.suffix != ".safetensors" and item.name not in _NOT_CARRIED:
+                    writer.copy_file(item.name, item)
+            writer.write_json("healing.json", report)
+            writer.write_text("healing.md", render_markdown(report))
+            final = writer.commit()
+    return HealResult(model, report, final)
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def render_markdown(report: dict) -> str:
+    """The healing report for people: before/after on the held-out tokens."""
+    before, after = report["before"], report["after"]
+    rows = [
+        ("perplexity (converted)", before["ppl_converted"], after["ppl_converted"]),
+        ("perplexity ratio to the original", before["ppl_ratio"], after["ppl_ratio"]),
+        ("KL(original ‖ converted), mean per token", before["kl_mean"], after["kl_mean"]),
+        ("top-1 agreement with the original", before["top1_agreement"], after["top1_agreement"]),
+    ]
+    lines = [
+        "# Healing report",
+        "",
+        f"{report['steps']} steps of KL distillation toward the original (lr {report['lr']}, windows of "
+        f"{report['window']} tokens, {report['train_tokens']} training tokens, {report['trained_parameters']:,} "
+        f"trained parameters: the MLA projections only), {report['seconds']:.1f} s on {report['device']}.",
+        f"Measured on {report['eval_tokens']} held-out tokens; the original's perplexity there is "
+        f"{before['ppl_original']:.4g}.",
+        "",
+        "| | before | after |",
+        "|---|---|---|",
+        *(f"| {label} | {b:.6g} | {a:.6g} |" for label, b, a in rows),
+        "",
+    ]
+    if not math.isfinite(after["ppl_converted"]) or after["ppl_ratio"] > before["ppl_ratio"]:
+        lines.append("**Healing made the held-out perplexity worse**: lower --lr or fewer --steps.\n")
+    return "\n".join(lines)
