@@ -142,7 +142,12 @@ def _mla_section(plan: ConversionPlan, opts: ConvertOptions, infos: list[LayerIn
         "layers": layers,
         "notes": notes,
         "compression": _compression_section(plan, opts),
-    }
+    } | _qk_norm_fields(spec)
+
+
+def _qk_norm_fields(spec: AttentionSpec) -> dict:
+    """`qk_norm` ("head": per-head RMSNorm of q and k before RoPE) and its `norm_eps`; nothing without."""
+    return {} if spec.qk_norm is None else {"qk_norm": spec.qk_norm, "norm_eps": spec.norm_eps}
 
 
 def _compression_section(plan: ConversionPlan, opts: ConvertOptions) -> dict | None:
@@ -335,6 +340,7 @@ def _export_transformers(src: Path, source: Checkpoint, output: Path, opts: Conv
     from convert.targets import to_deepseek_v3
 
     timings: dict[str, float] = {}
+    spec = resolve_spec(source, source.config, opts)  # the same checks and refusals as the mla target
     tensors, config = to_deepseek_v3({name: source.get(name) for name in source.keys()}, source.config or {})
     layout = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
     timings["plan_s"] = time.perf_counter() - start
@@ -349,14 +355,14 @@ def _export_transformers(src: Path, source: Checkpoint, output: Path, opts: Conv
         "frequencies and the attention biases this export relies on); transformers' DeepseekV3 caches per-head "
         "keys and values, not the latent"
     ]
-    sizes = _export_sizes(source, opts, tensors, config)
+    sizes = _export_sizes(source, spec, opts, tensors, config)
     return ConversionResult(final, config, [], sizes, timings, report, notes)
 
 
-def _export_sizes(source: Checkpoint, opts: ConvertOptions, tensors: dict, config: dict) -> dict:
+def _export_sizes(source: Checkpoint, spec: AttentionSpec, opts: ConvertOptions, tensors: dict, config: dict) -> dict:
     """Attention parameters and the KV cache per token (what a DeepSeek-V3 MLA runtime
     caches: latent + rotary key), before and after, in the checkpoint's dtype."""
-    source_plan = make_plan(source, resolve_spec(source, source.config, opts), opts)  # headers only
+    source_plan = make_plan(source, spec, opts)  # headers only
     after_params = sum(t.numel() for name, t in tensors.items() if ".self_attn." in name)
     after_dims = config["num_hidden_layers"] * config["convert_export"]["kv_cache_dims_per_token_per_layer"]
     size = torch.empty((), dtype=source_plan.dtype).element_size()

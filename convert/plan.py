@@ -54,7 +54,9 @@ def exact_ranks(spec: AttentionSpec, latent: str, layout: str, key_bias: bool) -
         return None
     in_k = spec.hidden_size + (1 if key_bias and spec.rope else 0)
     rows = spec.n_kv_heads * spec.head_dim
-    if spec.rope and layout == "absorbed":
+    if spec.qk_norm is not None:
+        rank_k = rows  # the aligned latent: every KV head's key, permuted
+    elif spec.rope and layout == "absorbed":
         rank_k = spec.head_dim * min(spec.n_kv_heads, in_k)  # 2 · (d/2 freqs) · min(G, X) per freq
     else:
         rank_k = min(rows, in_k)
@@ -80,6 +82,10 @@ def output_shapes(spec: AttentionSpec, ranks: dict[str, int], layout: str, biase
         shapes["v_down.weight"] = (rank_v, hidden)
     q_name, o_name = ("q_absorbed", "o_absorbed") if layout == "absorbed" else ("q_proj", "o_proj")
     q_rows = n_heads * rank_k if layout == "absorbed" else inner
+    if spec.qk_norm is not None:  # the query is normalised live: W^Q, then W^UK at run time
+        q_name, q_rows = "q_proj", inner
+        d = spec.head_dim
+        shapes |= {"q_norm.weight": (d,), "k_norm.weight": (d,), "k_up.weight": (inner, rank_k)}
     o_cols = n_heads * rank_v if layout == "absorbed" else inner
     shapes[f"{q_name}.weight"] = (q_rows, hidden)
     if "q" in biases:
@@ -254,7 +260,25 @@ def resolve_spec(source, config: dict | None, opts: ConvertOptions) -> Attention
             "--latent joint needs keys without RoPE: a shared K/V latent cannot carry the per-frequency "
             "rotation of RoPE keys exactly; use --latent split (the default)"
         )
+    if spec.qk_norm is not None:
+        _check_qk_norm_options(spec, opts)
     return spec
+
+
+def _check_qk_norm_options(spec: AttentionSpec, opts: ConvertOptions) -> None:
+    """What a q/k-norm conversion (exact, aligned key latent, native runtime) does not cover."""
+    name = f"a {spec.arch.name} model (per-head q/k norm)"
+    if opts.target != "mla":
+        raise ConvertError(
+            f"--target {opts.target}: DeepSeek-V3 has no per-head q/k norm, so {name} cannot be written for it "
+            "exactly; use --target mla (the default), which runs the norms on the latent"
+        )
+    exact_k = spec.n_kv_heads * spec.head_dim
+    if opts.kv_cache_ratio is not None and opts.kv_cache_ratio < 1 or opts.rank not in (None, exact_k):
+        raise ConvertError(
+            f"compressing {name} is not implemented: each head's key RMS is computed from its full latent "
+            f"block (DESIGN §5), so the key latent keeps its exact rank {exact_k}; drop --rank/--kv-cache-ratio"
+        )
 
 
 def budget_dims(spec: AttentionSpec, ratio: float) -> int:

@@ -41,10 +41,17 @@ def expected_shapes(spec: AttentionSpec) -> dict[str, tuple[int, ...]]:
     return {"q": (q_out, hidden), "k": (kv_out, hidden), "v": (kv_out, hidden), "o": (hidden, q_out)}
 
 
+def norm_names(spec: AttentionSpec, layer: int) -> dict[str, str]:
+    """The q/k norm weights of `layer` by LayerWeights field (none without q/k norm)."""
+    if spec.qk_norm is None:
+        return {}
+    return {f"{p}_norm": f"{spec.prefix(layer)}{p}_norm.weight" for p in "qk"}
+
+
 def attention_names(source, spec: AttentionSpec, layer: int) -> list[str]:
-    """Every attention tensor of `layer` present in the source (weights and biases)."""
+    """Every attention tensor of `layer` present in the source (weights, biases, q/k norms)."""
     names = [spec.tensor(layer, p, kind) for p in PROJECTIONS for kind in ("weight", "bias")]
-    return [n for n in names if n in source]
+    return [n for n in names + list(norm_names(spec, layer).values()) if n in source]
 
 
 def check_layer(source, spec: AttentionSpec, layer: int) -> None:
@@ -86,6 +93,16 @@ def _check_attention_shapes(source, spec: AttentionSpec, layer: int) -> None:
         bias = spec.tensor(layer, proj, "bias")
         if bias in source and tuple(source.shape(bias)) != shape[:1]:
             raise ConvertError(f"{bias} has shape {list(source.shape(bias))}, expected {[shape[0]]}")
+    for name in norm_names(spec, layer).values():
+        if name not in source:
+            raise ConvertError(
+                f"layer {layer} has no {name!r}, which a {spec.arch.name} model (per-head q/k norm) has; the "
+                "checkpoint is incomplete or not this architecture: check config.json model_type"
+            )
+        if tuple(source.shape(name)) != (spec.head_dim,):
+            raise ConvertError(
+                f"{name} has shape {list(source.shape(name))}, expected [{spec.head_dim}] (one weight per head dim)"
+            )
 
 
 def read_layer(source, spec: AttentionSpec, layer: int) -> LayerWeights:
@@ -96,6 +113,8 @@ def read_layer(source, spec: AttentionSpec, layer: int) -> LayerWeights:
             name = spec.tensor(layer, proj, kind)
             if name in source:
                 tensors[field] = _finite(source.get(name), name)
+    for field, name in norm_names(spec, layer).items():
+        tensors[field] = _finite(source.get(name), name)
     return LayerWeights(**tensors)
 
 

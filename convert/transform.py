@@ -9,6 +9,11 @@ submodules of `convert.mla.MLAAttention`:
   absorbed, joint: kv_down (r × D), q_absorbed (H·r × D), o_absorbed (D × H·r)
   factored:        q_proj, k_down / v_down (or kv_down), k_up (H·d × r_K),
                    v_up (H·d × r_V), o_proj
+  q/k norm (Qwen3): the key latent is aligned (`aligned_rope_factor`: each KV head's
+                   key, permuted), so k_norm (d) runs on its blocks; the query is
+                   normalised live: q_proj, q_norm, k_norm, k_down, v_down, k_up and
+                   o_absorbed (absorbed: W^UK applied to the normed query at run
+                   time) or v_up, o_proj (factored)
 """
 
 from dataclasses import dataclass, field
@@ -16,7 +21,16 @@ from dataclasses import dataclass, field
 import torch
 
 from convert.arch import AttentionSpec
-from convert.linalg import Factor, absorb_output, absorb_query, expand_groups, joint_factor, real_factor, rope_factor
+from convert.linalg import (
+    Factor,
+    absorb_output,
+    absorb_query,
+    aligned_rope_factor,
+    expand_groups,
+    joint_factor,
+    real_factor,
+    rope_factor,
+)
 from convert.linalg.weighted import weighted_factor, weighted_rope_factor
 
 
@@ -32,6 +46,8 @@ class LayerWeights:
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # (d,) per-head RMSNorm weights (Qwen3)
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -77,6 +93,8 @@ def _key_factor(w: LayerWeights, spec: AttentionSpec, layout: str, rank: int | N
     """Factor the keys; returns the factor and whether its latent is affine (key bias kept)."""
     affine = spec.rope and w.k_bias is not None
     keys = with_bias(w.k, w.k_bias if affine else None)  # (G·d, D[+1])
+    if spec.qk_norm is not None:  # exact only (plan refuses a lower rank): blocks per KV head
+        return aligned_rope_factor(keys, spec.n_kv_heads), affine
     per_frequency = spec.rope and layout == "absorbed"
     if weighting is not None:
         if per_frequency:
@@ -120,7 +138,16 @@ def convert_layer(
     up_v = expand_groups(value_f.up, spec.n_heads, spec.n_kv_heads, spec.head_map)  # (H·d, r_V)
     out = _down_tensors(key_f, value_f, affine, latent)
     out_bias = _output_bias(w, spec)
-    if layout == "absorbed":
+    if spec.qk_norm is not None:
+        out |= _split_bias(with_bias(w.q, w.q_bias), w.q_bias is not None, "q_proj")
+        out |= {"q_norm.weight": w.q_norm.double(), "k_norm.weight": w.k_norm.double(), "k_up.weight": up_k}
+        o_name = "o_absorbed" if layout == "absorbed" else "o_proj"
+        if layout == "absorbed":
+            out["o_absorbed.weight"] = absorb_output(w.o, up_v, spec.n_heads)  # (D, H·r_V)
+        else:
+            out |= {"v_up.weight": up_v, "o_proj.weight": w.o.double()}
+        out |= {f"{o_name}.bias": out_bias} if out_bias is not None else {}
+    elif layout == "absorbed":
         q_hat = absorb_query(with_bias(w.q, w.q_bias), up_k, spec.n_heads)  # (H·r_K, D[+1])
         out |= _split_bias(q_hat, w.q_bias is not None, "q_absorbed")
         out["o_absorbed.weight"] = absorb_output(w.o, up_v, spec.n_heads)  # (D, H·r_V)
@@ -162,5 +189,5 @@ def _layer_info(w, spec, key_f, value_f, affine, latent, layout, notes) -> Layer
             "k": _relative_error(key_f.up @ key_f.down, keys),
             "v": _relative_error(value_f.up @ value_f.down, w.v.double()),
         }
-    freq = key_f.freq_index.tolist() if key_f.freq_index is not None else None
+    freq = key_f.freq_index.tolist() if key_f.freq_index is not None and layout == "absorbed" else None
     return LayerInfo(ranks=ranks, retained_energy=energy, factor_error=errors, key_freq_index=freq, notes=notes)

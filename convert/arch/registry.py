@@ -56,7 +56,9 @@ class ArchSpec:
     layer_prefixes: templates for a layer's attention tensors, tried in order;
     `{i}` is the layer index, a template without it means a single layer.
     hf_attention: "module:Class" of transformers' own attention, the reference
-    verification compares against (None: the seed's `MyGQA`).
+    verification compares against (None: the seed's `MyGQA`). qk_norm: "head" when
+    q and k are RMS-normalised per head before RoPE (`q_norm`/`k_norm`, weight (d,)),
+    None when the family has no q/k norm.
     """
 
     name: str
@@ -72,6 +74,7 @@ class ArchSpec:
     hf_attention: str | None
     embed: str | None = None
     tensors: tuple[TensorRule, ...] = ()
+    qk_norm: str | None = None
 
     @property
     def layer_pattern(self) -> str:
@@ -87,7 +90,9 @@ class ArchSpec:
         return f"{prefix}{getattr(self, proj)}.{kind}"
 
 
-def _hf(name: str, attention: str, bias: dict[str, str], model_types: tuple[str, ...] | None = None) -> ArchSpec:
+def _hf(
+    name: str, attention: str, bias: dict[str, str], model_types: tuple[str, ...] | None = None, qk_norm=None
+) -> ArchSpec:
     return ArchSpec(
         name=name,
         model_types=model_types or (name,),
@@ -102,6 +107,7 @@ def _hf(name: str, attention: str, bias: dict[str, str], model_types: tuple[str,
         hf_attention=f"transformers.models.{name}.modeling_{name}:{attention}",
         embed="model.embed_tokens.weight",
         tensors=_llama_tensors(bias),
+        qk_norm=qk_norm,
     )
 
 
@@ -109,6 +115,8 @@ ARCHS: dict[str, ArchSpec] = {
     "llama": _hf("llama", "LlamaAttention", _LLAMA_BIAS),
     "mistral": _hf("mistral", "MistralAttention", _MISTRAL_BIAS),
     "qwen2": _hf("qwen2", "Qwen2Attention", _QWEN2_BIAS),
+    # Qwen3: Llama's layout plus per-head RMSNorm of q and k before RoPE (DESIGN §5).
+    "qwen3": _hf("qwen3", "Qwen3Attention", _LLAMA_BIAS, qk_norm="head"),
     # The seed's MyGQA: per-layer W_Q/W_K/W_V/W_O, no RoPE, no mask, tiled head map.
     "seed": ArchSpec(
         name="seed",
@@ -125,17 +133,25 @@ ARCHS: dict[str, ArchSpec] = {
     ),
 }
 
-# Per-head normalisation of q and k is a nonlinearity on W^K y: no linear latent
-# reproduces it, so these families are refused until a design exists (DESIGN §5).
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "gemma3", "gemma3_text", "olmo2", "olmo3", "chameleon")
+# Families with q/k norm that are not entered yet (Qwen3 is: per-head norm, DESIGN §5). Each is
+# refused with what it adds beyond Qwen3's per-head norm.
+QK_NORM_MODEL_TYPES = {
+    "qwen3_moe": "a mixture-of-experts MLP",
+    "qwen3_next": "hybrid linear attention",
+    "gemma3": "a multimodal model (vision tower)",
+    "gemma3_text": "Gemma's (1 + weight) norms, local/global RoPE bases and soft-capping",
+    "olmo2": "a q/k norm over the whole projection (all heads at once)",
+    "olmo3": "a q/k norm over the whole projection (all heads at once)",
+    "chameleon": "a multimodal model with per-head layer norms",
+}
 
 
 def find_arch(model_type: str | None, requested: str | None) -> ArchSpec:
     """The ArchSpec for a config's model_type and/or the `--arch` flag."""
     if model_type in QK_NORM_MODEL_TYPES:
         raise ConvertError(
-            f"config.json model_type={model_type!r} normalises q and k per head (qk-norm), which no linear "
-            "MLA latent can reproduce; qk-norm models are not supported"
+            f"config.json model_type={model_type!r} normalises q and k and has {QK_NORM_MODEL_TYPES[model_type]}, "
+            "which convert does not handle yet; of the q/k-norm families only qwen3 (per-head norm) converts"
         )
     by_type = next((a for a in ARCHS.values() if model_type in a.model_types), None)
     if model_type is not None and by_type is None:

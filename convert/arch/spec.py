@@ -29,6 +29,8 @@ class AttentionSpec:
     rope: bool
     softmax_scale: float
     layer_prefix_template: str
+    qk_norm: str | None = None  # "head": q and k RMS-normalised per head before RoPE (Qwen3)
+    norm_eps: float | None = None  # the q/k norms' epsilon (rms_norm_eps)
 
     def prefix(self, layer: int) -> str:
         """Name prefix of layer `layer`'s attention tensors."""
@@ -106,12 +108,12 @@ def _matrix(name: str, shape: Callable[[str], tuple[int, ...]]) -> tuple[int, in
     return dims
 
 
-def _refuse_qk_norm(keys: Iterable[str]) -> None:
+def _refuse_qk_norm(arch: ArchSpec, keys: Iterable[str]) -> None:
     normed = sorted(k for k in keys if k.endswith(("q_norm.weight", "k_norm.weight")))
-    if normed:
+    if normed and arch.qk_norm is None:
         raise ConvertError(
-            f"tensor {normed[0]!r} is a per-head qk-norm, a nonlinearity on W^K y that no linear MLA latent "
-            "reproduces; qk-norm models are not supported"
+            f"tensor {normed[0]!r} is a q/k norm, which a {arch.name} model does not have; the checkpoint is "
+            "not this architecture: fix config.json model_type (qwen3 for per-head q/k norms)"
         )
 
 
@@ -159,7 +161,7 @@ def resolve_attention(
     spec = find_arch(config.get("model_type"), arch)
     if _is_hf_config(spec, config):
         _require_fields(spec, config)
-    _refuse_qk_norm(keys)
+    _refuse_qk_norm(spec, keys)
     template = _layer_template(spec, keys)
     n_layers = count_layers(spec, template, keys)
     _check_layer_count(config, n_layers)
@@ -203,7 +205,21 @@ def resolve_attention(
         rope=spec.rope is not None,
         softmax_scale=head_dim**-0.5,
         layer_prefix_template=template,
+        qk_norm=spec.qk_norm,
+        norm_eps=_norm_eps(spec, config),
     )
+
+
+def _norm_eps(arch: ArchSpec, config: dict) -> float | None:
+    """The q/k norms' epsilon, from config.json (never guessed); None without q/k norm."""
+    if arch.qk_norm is None:
+        return None
+    if config.get("rms_norm_eps") is None:
+        raise ConvertError(
+            f"config.json has no rms_norm_eps, the epsilon of a {arch.name} model's q/k norms; add the model's "
+            "rms_norm_eps (or convert its Hugging Face directory, whose config.json has it)"
+        )
+    return float(config["rms_norm_eps"])
 
 
 def _is_hf_config(arch: ArchSpec, config: dict) -> bool:

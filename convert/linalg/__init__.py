@@ -9,15 +9,18 @@
 from convert.linalg.absorb import absorb_output, absorb_query
 from convert.linalg.factor import Factor, joint_factor, numerical_rank, real_factor
 from convert.linalg.heads import expand_groups, group_of_head, tile_rows
-from convert.linalg.rope import rope_factor
+from convert.linalg.rope import aligned_rope_factor, latent_groups, latent_ungroup, rope_factor
 
 __all__ = [
     "Factor",
     "absorb_output",
+    "aligned_rope_factor",
     "absorb_query",
     "expand_groups",
     "group_of_head",
     "joint_factor",
+    "latent_groups",
+    "latent_ungroup",
     "numerical_rank",
     "real_factor",
     "rope_factor",

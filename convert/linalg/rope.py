@@ -76,3 +76,39 @@ def _rotation_blocks(u_sel: torch.Tensor, freq: torch.Tensor, head_dim: int) -> 
     up[:, freq + half, p] = coeff.imag
     up[:, freq + half, n_pairs + p] = coeff.real
     return up.reshape(n_groups * head_dim, 2 * n_pairs)  # (G·d, 2P)
+
+
+def aligned_rope_factor(weight: torch.Tensor, n_kv_heads: int) -> Factor:
+    """The exact factor whose latent is the keys themselves, one block per KV head.
+
+    weight: (G·d, X). Latent pair p = g·(d/2) + j holds key pair j of group g
+    (dims p and p + P, P = G·d/2, rotate_half layout), so `freq_index[p] = j`, and
+    the dims of group g are a permutation of that head's key: a per-head function
+    of the key (the RMS of a q/k norm, DESIGN §5) is the same function of its latent
+    block. Returns up (G·d, G·d), a permutation, and down = the permuted rows.
+    """
+    rows = weight.shape[0]
+    head_dim = rows // n_kv_heads
+    half = head_dim // 2
+    group = torch.arange(n_kv_heads).repeat_interleave(half)  # (P,)
+    freq = torch.arange(half).repeat(n_kv_heads)  # (P,)
+    order = torch.cat([group * head_dim + freq, group * head_dim + freq + half])  # (2P,) latent dim -> key row
+    down = weight.double()[order]  # (2P, X)
+    up = torch.zeros(rows, rows, dtype=torch.float64)
+    up[order, torch.arange(rows)] = 1.0
+    s = torch.linalg.svdvals(weight.double())
+    return Factor(up=up, down=down, singular_values=s, kept=s, freq_index=freq)
+
+
+def latent_groups(latent: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """(…, G·d) aligned key latent -> (…, G, d): each KV head's key dims (in pair order)."""
+    lead = latent.shape[:-1]
+    blocks = latent.reshape(*lead, 2, n_kv_heads, -1)  # (…, 2, G, d/2): [first halves | second halves]
+    return blocks.transpose(-3, -2).reshape(*lead, n_kv_heads, -1)  # (…, G, d)
+
+
+def latent_ungroup(grouped: torch.Tensor) -> torch.Tensor:
+    """Inverse of `latent_groups`: (…, G, d) -> (…, G·d) in aligned latent order."""
+    *lead, n_kv_heads, head_dim = grouped.shape
+    blocks = grouped.reshape(*lead, n_kv_heads, 2, head_dim // 2).transpose(-3, -2)  # (…, 2, G, d/2)
+    return blocks.reshape(*lead, n_kv_heads * head_dim)

@@ -7,6 +7,10 @@ Two layouts over the same cached latent (DESIGN §3, §4):
 - factored: cache the latents, up-project keys and values per head at run time,
   then apply the source model's RoPE to queries and keys.
 
+With a per-head q/k norm (Qwen3) the key latent is aligned (each KV head's key,
+permuted), so the key norm runs on its blocks before RoPE, and the query is
+normalised live and then multiplied by W^UK (absorbed) as DeepSeek does.
+
 The cache (a transformers `Cache`) holds latents only: keys slot (B, 1, S, r_K),
 values slot (B, 1, S, r_V) (joint: values slot empty, the key latent serves
 both). The factored layout with RoPE also keeps each cached token's position
@@ -15,6 +19,8 @@ both). The factored layout with RoPE also keeps each cached token's position
 
 import torch
 from torch import nn
+
+from convert.linalg.rope import latent_groups, latent_ungroup
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -37,6 +43,21 @@ def latent_cos_sin(cos: torch.Tensor, sin: torch.Tensor, freq_index: torch.Tenso
     cos_p = cos.index_select(-1, freq_index)  # (…, P)
     sin_p = sin.index_select(-1, freq_index)
     return torch.cat([cos_p, cos_p], dim=-1), torch.cat([sin_p, sin_p], dim=-1)  # (…, 2P)
+
+
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over the last dim, as transformers' Qwen3RMSNorm computes it (in float32, then
+    the weight in the input's dtype): the source's q/k norm, applied per head."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 class MLAAttention(nn.Module):
@@ -73,8 +94,17 @@ class MLAAttention(nn.Module):
         else:
             self.k_down = nn.Linear(hidden_size, rank_k, bias="k_down" in bias)
             self.v_down = nn.Linear(hidden_size, rank_v, bias=False)
+        self.qk_norm = mla.get("qk_norm") is not None
+        self.n_kv_heads = mla["n_kv_heads"]
+        if self.qk_norm:
+            inner = self.n_heads * self.head_dim
+            self.q_proj = nn.Linear(hidden_size, inner, bias="q_proj" in bias)
+            self.q_norm = HeadRMSNorm(self.head_dim, mla["norm_eps"])
+            self.k_norm = HeadRMSNorm(self.head_dim, mla["norm_eps"])
+            self.k_up = nn.Linear(rank_k, inner, bias=False)
         if self.layout == "absorbed":
-            self.q_absorbed = nn.Linear(hidden_size, self.n_heads * rank_k, bias="q_absorbed" in bias)
+            if not self.qk_norm:
+                self.q_absorbed = nn.Linear(hidden_size, self.n_heads * rank_k, bias="q_absorbed" in bias)
             self.o_absorbed = nn.Linear(self.n_heads * rank_v, hidden_size, bias="o_absorbed" in bias)
             # Plain data, not a buffer: transformers' loaders re-create buffers they do not
             # find in the checkpoint, and this one is config, not weights.
@@ -82,8 +112,9 @@ class MLAAttention(nn.Module):
             self._freq_index: dict[torch.device, torch.Tensor] = {}
         else:
             inner = self.n_heads * self.head_dim
-            self.q_proj = nn.Linear(hidden_size, inner, bias="q_proj" in bias)
-            self.k_up = nn.Linear(rank_k, inner, bias=False)
+            if not self.qk_norm:
+                self.q_proj = nn.Linear(hidden_size, inner, bias="q_proj" in bias)
+                self.k_up = nn.Linear(rank_k, inner, bias=False)
             self.v_up = nn.Linear(rank_v, inner, bias=False)
             self.o_proj = nn.Linear(inner, hidden_size, bias="o_proj" in bias)
         # The source model's rotary embedding, shared and not a submodule: the
@@ -101,7 +132,27 @@ class MLAAttention(nn.Module):
         if self.joint:
             c = self.kv_down(x)
             return c, c
-        return self.k_down(x), self.v_down(x)
+        c_k = self.k_down(x)
+        if self.qk_norm:  # each KV head's key block, normalised as the source normalises the key
+            c_k = latent_ungroup(self.k_norm(latent_groups(c_k, self.n_kv_heads)))
+        return c_k, self.v_down(x)
+
+    def _query_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, L, D) -> per-head queries (B, H, L, d) (normalised per head with a q norm)."""
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim)  # (B, L, H, d)
+        if self.qk_norm:
+            q = self.q_norm(q)
+        return q.transpose(1, 2)
+
+    def _latent_query(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, L, D) -> queries over the key latent (B, H, L, r_K): Ŵ^Q x, or with a q norm
+        W^UKᵀ applied to the normalised query at run time."""
+        batch, length, _ = x.shape
+        if not self.qk_norm:
+            return self.q_absorbed(x).view(batch, length, self.n_heads, self.rank_k).transpose(1, 2)
+        up = self.k_up.weight.view(self.n_heads, self.head_dim, self.rank_k)  # (H, d, r_K)
+        return torch.einsum("bhld,hdr->bhlr", self._query_heads(x), up)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         if self.layout == "absorbed":
@@ -126,9 +177,8 @@ class MLAAttention(nn.Module):
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)  # (B, L, H·f)
 
     def _absorbed(self, x, position_embeddings, attention_mask, cache):
-        batch, length, _ = x.shape
         c_k, c_v = self.latents(x)  # (B, L, r_K), (B, L, r_V)
-        q = self.q_absorbed(x).view(batch, length, self.n_heads, self.rank_k).transpose(1, 2)  # (B, H, L, r_K)
+        q = self._latent_query(x)  # (B, H, L, r_K)
         if self.rope:
             cos, sin = latent_cos_sin(*position_embeddings, self.freq_index(x.device))  # (B, L, r_K)
             q = apply_rope(q, cos[:, None], sin[:, None])
@@ -145,8 +195,8 @@ class MLAAttention(nn.Module):
         return k, k
 
     def _factored(self, x, position_embeddings, attention_mask, cache, positions):
-        batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, L, d)
+        batch = x.shape[0]
+        q = self._query_heads(x)  # (B, H, L, d)
         c_k, c_v = self.latents(x)
         c_k, c_v = c_k[:, None], c_v[:, None]  # (B, 1, L, r)
         if cache is not None:

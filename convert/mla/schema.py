@@ -44,8 +44,9 @@ SECTION_FIELDS = {
     "causal": flag,
     "layer_prefix": string,
 }
-#: Output tensors that may carry a bias, by layout (`convert.transform`).
-BIASED = {"absorbed": ("k_down", "q_absorbed", "o_absorbed"), "factored": ("k_down", "q_proj", "o_proj")}
+#: Output tensors that may carry a bias, by layout (`convert.transform`; q_proj in the absorbed
+#: layout of a q/k-norm model, whose query is normalised live).
+BIASED = {"absorbed": ("k_down", "q_absorbed", "q_proj", "o_absorbed"), "factored": ("k_down", "q_proj", "o_proj")}
 
 
 def format_version() -> int:
@@ -216,11 +217,13 @@ def _check_figures(figures: Any, field: str, where: str) -> None:
 
 def _check_against_config(mla: dict, arch: ArchSpec, config: dict, where: str) -> None:
     """The section describes the model of the source fields beside it (`source_config`)."""
-    for field, want in (("rope", arch.rope), ("causal", arch.causal)):
+    for field, want in (("rope", arch.rope), ("causal", arch.causal), ("qk_norm", arch.qk_norm)):
         if mla.get(field) != want:
             raise ConvertError(
                 f"{where} mla.{field}={mla.get(field)!r} but a {arch.name} model has {field}={want!r}; {RECONVERT}"
             )
+    if arch.qk_norm is not None:
+        check_field(where, "mla.norm_eps", mla.get("norm_eps"), positive, RECONVERT)
     if mla["layer_prefix"] not in arch.layer_prefixes:
         problem = ("is not a layer prefix of the architecture", f"one of {', '.join(map(repr, arch.layer_prefixes))}")
         raise refuse(where, "mla.layer_prefix", mla["layer_prefix"], problem, RECONVERT)
@@ -275,6 +278,8 @@ def _spec(mla: dict, arch: ArchSpec) -> AttentionSpec:
         rope=mla["rope"] is not None,
         softmax_scale=mla["softmax_scale"],
         layer_prefix_template=mla["layer_prefix"],
+        qk_norm=mla.get("qk_norm"),
+        norm_eps=mla.get("norm_eps"),
     )
 
 
