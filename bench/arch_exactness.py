@@ -1,7 +1,7 @@
 """Exactness per architecture: converted vs transformers' own model, logits relative error.
 
 For each family (tiny random models from transformers' own config classes, random attention
-biases and, for Qwen3, random q/k norm weights), layout and dtype: the relative Frobenius
+biases and, for Qwen3 and OLMo 2, random q/k norm weights), layout and dtype: the relative Frobenius
 error of the converted model's logits (`convert.to_mla`) against the original's, on 2×64
 random tokens, and whether 24 greedy tokens are identical.
 
@@ -30,6 +30,7 @@ FAMILIES = {
     "mistral": {},
     "qwen2": {},
     "qwen3": {"attention_bias": True},
+    "olmo2": {"attention_bias": True},
 }
 
 

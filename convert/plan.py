@@ -24,7 +24,7 @@ from convert.arch import AttentionSpec, resolve_attention
 from convert.errors import ConvertError
 from convert.linalg import numerical_rank
 from convert.options import ConvertOptions
-from convert.source import StateDictSource, attention_names, check_layer, read_layer
+from convert.source import StateDictSource, attention_names, check_layer, norm_shape, read_layer
 
 # Whole-model verification holds both models plus activations: this many times
 # the checkpoint (in the run's dtype).
@@ -84,8 +84,8 @@ def output_shapes(spec: AttentionSpec, ranks: dict[str, int], layout: str, biase
     q_rows = n_heads * rank_k if layout == "absorbed" else inner
     if spec.qk_norm is not None:  # the query is normalised live: W^Q, then W^UK at run time
         q_name, q_rows = "q_proj", inner
-        d = spec.head_dim
-        shapes |= {"q_norm.weight": (d,), "k_norm.weight": (d,), "k_up.weight": (inner, rank_k)}
+        q_norm, k_norm = norm_shape(spec, "q"), norm_shape(spec, "k")
+        shapes |= {"q_norm.weight": q_norm, "k_norm.weight": k_norm, "k_up.weight": (inner, rank_k)}
     o_cols = n_heads * rank_v if layout == "absorbed" else inner
     shapes[f"{q_name}.weight"] = (q_rows, hidden)
     if "q" in biases:
@@ -267,10 +267,10 @@ def resolve_spec(source, config: dict | None, opts: ConvertOptions) -> Attention
 
 def _check_qk_norm_options(spec: AttentionSpec, opts: ConvertOptions) -> None:
     """What a q/k-norm conversion (exact, aligned key latent, native runtime) does not cover."""
-    name = f"a {spec.arch.name} model (per-head q/k norm)"
+    name = f"a {spec.arch.name} model (q/k norm)"
     if opts.target != "mla":
         raise ConvertError(
-            f"--target {opts.target}: DeepSeek-V3 has no per-head q/k norm, so {name} cannot be written for it "
+            f"--target {opts.target}: DeepSeek-V3 has no q/k norm, so {name} cannot be written for it "
             "exactly; use --target mla (the default), which runs the norms on the latent"
         )
     exact_k = spec.n_kv_heads * spec.head_dim

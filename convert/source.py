@@ -48,6 +48,13 @@ def norm_names(spec: AttentionSpec, layer: int) -> dict[str, str]:
     return {f"{p}_norm": f"{spec.prefix(layer)}{p}_norm.weight" for p in "qk"}
 
 
+def norm_shape(spec: AttentionSpec, proj: str) -> tuple[int]:
+    """The q ("q") or k ("k") norm weight's shape: (d,) per head, else the whole projection's."""
+    if spec.qk_norm == "head":
+        return (spec.head_dim,)
+    return ((spec.n_heads if proj == "q" else spec.n_kv_heads) * spec.head_dim,)
+
+
 def attention_names(source, spec: AttentionSpec, layer: int) -> list[str]:
     """Every attention tensor of `layer` present in the source (weights, biases, q/k norms)."""
     names = [spec.tensor(layer, p, kind) for p in PROJECTIONS for kind in ("weight", "bias")]
@@ -96,12 +103,15 @@ def _check_attention_shapes(source, spec: AttentionSpec, layer: int) -> None:
     for name in norm_names(spec, layer).values():
         if name not in source:
             raise ConvertError(
-                f"layer {layer} has no {name!r}, which a {spec.arch.name} model (per-head q/k norm) has; the "
+                f"layer {layer} has no {name!r}, which a {spec.arch.name} model (q/k norm) has; the "
                 "checkpoint is incomplete or not this architecture: check config.json model_type"
             )
-        if tuple(source.shape(name)) != (spec.head_dim,):
+    for field, name in norm_names(spec, layer).items():
+        want = norm_shape(spec, field[0])
+        if tuple(source.shape(name)) != want:
             raise ConvertError(
-                f"{name} has shape {list(source.shape(name))}, expected [{spec.head_dim}] (one weight per head dim)"
+                f"{name} has shape {list(source.shape(name))}, expected {list(want)} (a {spec.qk_norm} q/k norm of "
+                f"n_heads={spec.n_heads}, n_kv_heads={spec.n_kv_heads}, head_dim={spec.head_dim})"
             )
 
 

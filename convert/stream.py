@@ -64,7 +64,7 @@ class LayerStream:
                 self.dtype,
             )
             with torch.no_grad():
-                x = decoder.input_layernorm(hidden)
+                x = decoder.input_layernorm(hidden) if self.arch.pre_norm else hidden  # OLMo 2: post-norm
                 inputs = self.inputs(layer, x)
                 yield layer, x, decoder, inputs
                 positions, rotary, mask = inputs

@@ -22,16 +22,16 @@ class TensorRule:
     when: str = "always"
 
 
-def _llama_tensors(attention_bias: dict[str, str]) -> tuple[TensorRule, ...]:
-    """The tensors of a Llama-style decoder (Llama, Mistral, Qwen2: same names and shapes)."""
+def _llama_tensors(attention_bias: dict[str, str], norms: tuple[str, ...] = ("input", "post_attention")):
+    """The tensors of a Llama-style decoder (Llama, Mistral, Qwen2, Qwen3: same names and shapes;
+    OLMo 2: the same with its norms after attention and MLP instead of before)."""
     layer = "model.layers.{i}."
     d, v, inner = "hidden_size", "vocab_size", "intermediate_size"
     rules = [
         TensorRule("model.embed_tokens.weight", (v, d)),
         TensorRule("model.norm.weight", (d,)),
         TensorRule("lm_head.weight", (v, d), "untied"),
-        TensorRule(layer + "input_layernorm.weight", (d,)),
-        TensorRule(layer + "post_attention_layernorm.weight", (d,)),
+        *(TensorRule(f"{layer}{norm}_layernorm.weight", (d,)) for norm in norms),
         TensorRule(layer + "mlp.gate_proj.weight", (inner, d)),
         TensorRule(layer + "mlp.up_proj.weight", (inner, d)),
         TensorRule(layer + "mlp.down_proj.weight", (d, inner)),
@@ -56,9 +56,11 @@ class ArchSpec:
     layer_prefixes: templates for a layer's attention tensors, tried in order;
     `{i}` is the layer index, a template without it means a single layer.
     hf_attention: "module:Class" of transformers' own attention, the reference
-    verification compares against (None: the seed's `MyGQA`). qk_norm: "head" when
-    q and k are RMS-normalised per head before RoPE (`q_norm`/`k_norm`, weight (d,)),
-    None when the family has no q/k norm.
+    verification compares against (None: the seed's `MyGQA`). qk_norm: how q and k
+    are RMS-normalised before RoPE: "head" per head (`q_norm`/`k_norm` weights (d,),
+    Qwen3), "whole" over the whole projection (weights (H·d,) and (G·d,), OLMo 2),
+    None without. pre_norm: whether each decoder layer normalises its attention's
+    input (`input_layernorm`; OLMo 2 normalises outputs instead).
     """
 
     name: str
@@ -75,6 +77,7 @@ class ArchSpec:
     embed: str | None = None
     tensors: tuple[TensorRule, ...] = ()
     qk_norm: str | None = None
+    pre_norm: bool = True
 
     @property
     def layer_pattern(self) -> str:
@@ -91,7 +94,12 @@ class ArchSpec:
 
 
 def _hf(
-    name: str, attention: str, bias: dict[str, str], model_types: tuple[str, ...] | None = None, qk_norm=None
+    name: str,
+    attention: str,
+    bias: dict[str, str],
+    model_types: tuple[str, ...] | None = None,
+    qk_norm: str | None = None,
+    pre_norm: bool = True,
 ) -> ArchSpec:
     return ArchSpec(
         name=name,
@@ -106,8 +114,11 @@ def _hf(
         causal=True,
         hf_attention=f"transformers.models.{name}.modeling_{name}:{attention}",
         embed="model.embed_tokens.weight",
-        tensors=_llama_tensors(bias),
+        tensors=_llama_tensors(
+            bias, ("input", "post_attention") if pre_norm else ("post_attention", "post_feedforward")
+        ),
         qk_norm=qk_norm,
+        pre_norm=pre_norm,
     )
 
 
@@ -117,6 +128,9 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen2": _hf("qwen2", "Qwen2Attention", _QWEN2_BIAS),
     # Qwen3: Llama's layout plus per-head RMSNorm of q and k before RoPE (DESIGN §5).
     "qwen3": _hf("qwen3", "Qwen3Attention", _LLAMA_BIAS, qk_norm="head"),
+    # OLMo 2: RMSNorm of q and k over the whole projection (all heads at once), norms after
+    # attention and MLP.
+    "olmo2": _hf("olmo2", "Olmo2Attention", _LLAMA_BIAS, qk_norm="whole", pre_norm=False),
     # The seed's MyGQA: per-layer W_Q/W_K/W_V/W_O, no RoPE, no mask, tiled head map.
     "seed": ArchSpec(
         name="seed",
@@ -140,7 +154,6 @@ QK_NORM_MODEL_TYPES = {
     "qwen3_next": "hybrid linear attention",
     "gemma3": "a multimodal model (vision tower)",
     "gemma3_text": "Gemma's (1 + weight) norms, local/global RoPE bases and soft-capping",
-    "olmo2": "a q/k norm over the whole projection (all heads at once)",
     "olmo3": "a q/k norm over the whole projection (all heads at once)",
     "chameleon": "a multimodal model with per-head layer norms",
 }

@@ -7,8 +7,9 @@ Two layouts over the same cached latent (DESIGN §3, §4):
 - factored: cache the latents, up-project keys and values per head at run time,
   then apply the source model's RoPE to queries and keys.
 
-With a per-head q/k norm (Qwen3) the key latent is aligned (each KV head's key,
-permuted), so the key norm runs on its blocks before RoPE, and the query is
+With a q/k norm (Qwen3 per head, OLMo 2 over the whole projection) the key latent
+is aligned (each KV head's key, permuted), so the key norm runs on its blocks
+(or on all of them) before RoPE, and the query is
 normalised live and then multiplied by W^UK (absorbed) as DeepSeek does.
 
 The cache (a transformers `Cache`) holds latents only: keys slot (B, 1, S, r_K),
@@ -45,18 +46,21 @@ def latent_cos_sin(cos: torch.Tensor, sin: torch.Tensor, freq_index: torch.Tenso
     return torch.cat([cos_p, cos_p], dim=-1), torch.cat([sin_p, sin_p], dim=-1)  # (…, 2P)
 
 
-class HeadRMSNorm(nn.Module):
-    """RMSNorm over the last dim, as transformers' Qwen3RMSNorm computes it (in float32, then
-    the weight in the input's dtype): the source's q/k norm, applied per head."""
+class QKNorm(nn.Module):
+    """The source's q/k RMSNorm over the last dim, computed as transformers computes it: in
+    float32, then the weight applied in the input's dtype (Qwen3RMSNorm), or in float32
+    before casting back (`weight_in_float32`, Olmo2RMSNorm)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, weight_in_float32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.weight_in_float32 = eps, weight_in_float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_float32:
+            return (self.weight * h).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
@@ -94,13 +98,14 @@ class MLAAttention(nn.Module):
         else:
             self.k_down = nn.Linear(hidden_size, rank_k, bias="k_down" in bias)
             self.v_down = nn.Linear(hidden_size, rank_v, bias=False)
-        self.qk_norm = mla.get("qk_norm") is not None
+        self.qk_norm = mla.get("qk_norm")  # None, "head" (per head) or "whole" (the whole projection)
         self.n_kv_heads = mla["n_kv_heads"]
         if self.qk_norm:
             inner = self.n_heads * self.head_dim
+            whole = self.qk_norm == "whole"
             self.q_proj = nn.Linear(hidden_size, inner, bias="q_proj" in bias)
-            self.q_norm = HeadRMSNorm(self.head_dim, mla["norm_eps"])
-            self.k_norm = HeadRMSNorm(self.head_dim, mla["norm_eps"])
+            self.q_norm = QKNorm(inner if whole else self.head_dim, mla["norm_eps"], whole)
+            self.k_norm = QKNorm(self.n_kv_heads * self.head_dim if whole else self.head_dim, mla["norm_eps"], whole)
             self.k_up = nn.Linear(rank_k, inner, bias=False)
         if self.layout == "absorbed":
             if not self.qk_norm:
@@ -133,15 +138,23 @@ class MLAAttention(nn.Module):
             c = self.kv_down(x)
             return c, c
         c_k = self.k_down(x)
-        if self.qk_norm:  # each KV head's key block, normalised as the source normalises the key
-            c_k = latent_ungroup(self.k_norm(latent_groups(c_k, self.n_kv_heads)))
+        if self.qk_norm:  # the latent's key blocks, normalised as the source normalises the key
+            keys = latent_groups(c_k, self.n_kv_heads)  # (B, L, G, d): the source's keys
+            if self.qk_norm == "whole":
+                keys = self.k_norm(keys.flatten(-2)).unflatten(-1, keys.shape[-2:])  # over all G·d dims
+            else:
+                keys = self.k_norm(keys)  # per head
+            c_k = latent_ungroup(keys)
         return c_k, self.v_down(x)
 
     def _query_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(B, L, D) -> per-head queries (B, H, L, d) (normalised per head with a q norm)."""
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim)  # (B, L, H, d)
-        if self.qk_norm:
+        q = self.q_proj(x)  # (B, L, H·d)
+        if self.qk_norm == "whole":
+            q = self.q_norm(q)
+        q = q.view(batch, length, self.n_heads, self.head_dim)  # (B, L, H, d)
+        if self.qk_norm == "head":
             q = self.q_norm(q)
         return q.transpose(1, 2)
 

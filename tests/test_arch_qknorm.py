@@ -1,6 +1,7 @@
-"""Qwen3: per-head RMSNorm of q and k before RoPE (DESIGN §5), converted exactly in both
-layouts and checked against transformers' own Qwen3 implementation; what the aligned
-latent does not cover (compression, DeepSeek-V3 targets) is refused before any work."""
+"""q/k norm (DESIGN §5): Qwen3 (RMSNorm of q and k per head before RoPE) and OLMo 2 (over the
+whole projection), converted exactly in both layouts and checked against transformers' own
+implementations; what the aligned latent does not cover (compression, DeepSeek-V3 targets)
+is refused before any work."""
 
 import json
 import os
@@ -19,11 +20,12 @@ from conftest import hf_model
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 LAYOUTS = ("absorbed", "factored")
+FAMILIES = ("qwen3", "olmo2")
 
 
-def qwen3(dtype=torch.float32, attention_bias: bool = False, seed: int = 0):
-    """A tiny random Qwen3 (6 query heads, 2 KV heads, d = 16) whose q/k norm weights are not ones."""
-    model = hf_model("qwen3", seed=seed, dtype=dtype, attention_bias=attention_bias)
+def qwen3(dtype=torch.float32, attention_bias: bool = False, seed: int = 0, family: str = "qwen3"):
+    """A tiny random q/k-norm model (6 query heads, 2 KV heads) whose q/k norm weights are not ones."""
+    model = hf_model(family, seed=seed, dtype=dtype, attention_bias=attention_bias)
     generator = torch.Generator().manual_seed(100 + seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -43,8 +45,9 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_logits_equal_transformers(dtype, layout, bias):
-    model = qwen3(dtype, attention_bias=bias)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_equal_transformers(family, dtype, layout, bias):
+    model = qwen3(dtype, attention_bias=bias, family=family)
     converted = convert.to_mla(model, layout=layout)
     ids = _ids()
     with torch.no_grad():
@@ -55,8 +58,9 @@ def test_logits_equal_transformers(dtype, layout, bias):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_greedy_generation_identical_with_a_latent_cache(layout):
-    model = qwen3()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_identical_with_a_latent_cache(family, layout):
+    model = qwen3(family=family)
     converted = convert.to_mla(model, layout=layout)
     prompt = _ids(1, 8)
     kwargs = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
@@ -67,8 +71,9 @@ def test_greedy_generation_identical_with_a_latent_cache(layout):
     assert cache.layers[0].keys.shape[1] == 1  # one latent, not per-head keys
 
 
-def test_cli_converts_and_verifies_a_qwen3_directory(tmp_path):
-    model = qwen3(attention_bias=True)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cli_converts_and_verifies_a_directory(tmp_path, family):
+    model = qwen3(attention_bias=True, family=family)
     model.save_pretrained(tmp_path / "src", safe_serialization=True)
     out = tmp_path / "mla"
     result = CliRunner().invoke(main, ["gqa2mla", str(tmp_path / "src"), "-o", str(out), "-q"])
@@ -77,7 +82,8 @@ def test_cli_converts_and_verifies_a_qwen3_directory(tmp_path):
     assert report["verdict"] == "PASS"
     assert report["end_to_end"]["logits_rel_error"] < 1e-5
     config = json.loads((out / "config.json").read_text())
-    assert config["mla"]["qk_norm"] == "head" and config["mla"]["norm_eps"] == model.config.rms_norm_eps
+    kind = {"qwen3": "head", "olmo2": "whole"}[family]
+    assert config["mla"]["qk_norm"] == kind and config["mla"]["norm_eps"] == model.config.rms_norm_eps
     again = CliRunner().invoke(main, ["verify", str(tmp_path / "src"), str(out), "-q"])
     assert again.exit_code == 0, again.output
     from transformers import AutoModelForCausalLM
@@ -125,8 +131,14 @@ def test_a_missing_k_norm_is_refused(tmp_path):
 
 
 def test_other_qk_norm_families_are_refused_with_what_they_add():
-    with pytest.raises(convert.ConvertError, match="whole projection"):
-        convert.convert_state_dict({}, {"model_type": "olmo2"})
+    with pytest.raises(convert.ConvertError, match="soft-capping"):
+        convert.convert_state_dict({}, {"model_type": "gemma3_text"})
+
+
+def test_olmo2_compression_is_refused(tmp_path):
+    model = qwen3(family="olmo2")
+    with pytest.raises(convert.ConvertError, match="olmo2 model .q/k norm.*exact rank"):
+        convert.to_mla(model, rank=4, method="svd")
 
 
 QWEN3 = {
@@ -160,6 +172,23 @@ REAL = {
 }
 
 
+REAL["OLMo-2-7B"] = {
+    "model_type": "olmo2",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "num_hidden_layers": 32,
+    "intermediate_size": 11008,
+    "vocab_size": 100352,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "head_dim": 128,
+}
+
+
 @pytest.mark.parametrize("name", REAL)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_real_size_plans(name, layout):
@@ -172,15 +201,16 @@ def test_real_size_plans(name, layout):
         config["head_dim"],
         config["hidden_size"],
     )
-    exact = groups * d  # the aligned latent: every KV head's key (1,024 dims)
+    exact = groups * d  # the aligned latent: every KV head's key (Qwen3: 1,024 dims; OLMo-2-7B, MHA: 4,096)
     assert [layer.ranks for layer in plan.layers] == [{"rank_k": exact, "rank_v": exact}] * layers
     assert gqa_cache_dims(plan.spec) == 2 * exact
     assert plan.cache_bytes_per_token() == (layers * 2 * exact * 2,) * 2  # bfloat16: as GQA, exactly
     shapes = plan.layers[0].shapes
+    whole = config["model_type"] == "olmo2"  # its norms span the whole projections
     common = {
         "q_proj.weight": (heads * d, hidden),
-        "q_norm.weight": (d,),
-        "k_norm.weight": (d,),
+        "q_norm.weight": (heads * d,) if whole else (d,),
+        "k_norm.weight": (exact,) if whole else (d,),
         "k_down.weight": (exact, hidden),
         "v_down.weight": (exact, hidden),
         "k_up.weight": (heads * d, exact),
