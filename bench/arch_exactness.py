@@ -31,11 +31,14 @@ FAMILIES = {
     "qwen2": {},
     "qwen3": {"attention_bias": True},
     "olmo2": {"attention_bias": True},
+    "gemma2": {},  # eager reference: transformers soft-caps only there (float32 softmax)
 }
 
 
 def build(family: str, dtype: torch.dtype):
     model = hf_model(family, dtype=dtype, **FAMILIES[family])
+    if family == "gemma2":
+        model.config._attn_implementation = "eager"
     generator = torch.Generator().manual_seed(100)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -146,8 +146,10 @@ def _mla_section(plan: ConversionPlan, opts: ConvertOptions, infos: list[LayerIn
 
 
 def _qk_norm_fields(spec: AttentionSpec) -> dict:
-    """`qk_norm` ("head": per-head RMSNorm of q and k before RoPE) and its `norm_eps`; nothing without."""
-    return {} if spec.qk_norm is None else {"qk_norm": spec.qk_norm, "norm_eps": spec.norm_eps}
+    """`qk_norm` (how q and k are RMS-normalised before RoPE) and its `norm_eps`, and `softcap`
+    (Gemma 2's score soft-capping), each only where the source has it."""
+    fields = {} if spec.qk_norm is None else {"qk_norm": spec.qk_norm, "norm_eps": spec.norm_eps}
+    return fields | ({} if spec.softcap is None else {"softcap": spec.softcap})
 
 
 def _compression_section(plan: ConversionPlan, opts: ConvertOptions) -> dict | None:

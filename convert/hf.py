@@ -87,9 +87,15 @@ def build_causal_lm(config: dict, dtype: torch.dtype, attention: str = "eager"):
     return AutoModelForCausalLM.from_config(hf_config(config, dtype, attention), dtype=dtype)
 
 
+def reference_attention(config: dict) -> str:
+    """transformers' attention implementation for a reference run: SDPA (its softmax keeps float64),
+    or eager where SDPA would skip part of the family's attention (Gemma 2's soft-capping)."""
+    return "eager" if config.get("attn_logit_softcapping") is not None else "sdpa"
+
+
 def load_original(original: Checkpoint, config: dict, device, dtype):
-    """The source model as transformers builds it, with the original weights (SDPA attention)."""
-    model = build_causal_lm(config, dtype, attention="sdpa")
+    """The source model as transformers builds it, with the original weights (`reference_attention`)."""
+    model = build_causal_lm(config, dtype, attention=reference_attention(config))
     state = {name: original.get(name) for name in original.keys()}
     load_strict(model, state, getattr(original, "path", "the original weights"))
     return model.to(device).eval()

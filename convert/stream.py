@@ -9,7 +9,7 @@ files, run on the captured hidden states, and dropped.
 import torch
 
 from convert.arch import ARCHS
-from convert.hf import causal_mask, hf_classes, hf_config
+from convert.hf import causal_mask, hf_classes, hf_config, reference_attention
 
 
 def load_module(module: torch.nn.Module, checkpoint, prefix: str, device, dtype) -> torch.nn.Module:
@@ -36,7 +36,7 @@ class LayerStream:
         self.checkpoint, self.device, self.dtype = checkpoint, device, dtype
         self.arch = ARCHS[config.get("mla", {}).get("source_architecture") or config["model_type"]]
         self.mask_config = hf_config(config)
-        self.ref_config = hf_config(config, attention="sdpa")
+        self.ref_config = hf_config(config, attention=reference_attention(config))
         self.attention_cls, self.decoder_cls, rotary_cls = hf_classes(self.arch.name)
         self.rotary = rotary_cls(self.ref_config).to(device)
 

@@ -60,7 +60,9 @@ class ArchSpec:
     are RMS-normalised before RoPE: "head" per head (`q_norm`/`k_norm` weights (d,),
     Qwen3), "whole" over the whole projection (weights (H·d,) and (G·d,), OLMo 2),
     None without. pre_norm: whether each decoder layer normalises its attention's
-    input (`input_layernorm`; OLMo 2 normalises outputs instead).
+    input (`input_layernorm`; OLMo 2 normalises outputs instead). gemma_scores: the
+    family takes `query_pre_attn_scalar` (softmax scale) and `attn_logit_softcapping`
+    (Gemma 2).
     """
 
     name: str
@@ -78,6 +80,7 @@ class ArchSpec:
     tensors: tuple[TensorRule, ...] = ()
     qk_norm: str | None = None
     pre_norm: bool = True
+    gemma_scores: bool = False
 
     @property
     def layer_pattern(self) -> str:
@@ -100,6 +103,8 @@ def _hf(
     model_types: tuple[str, ...] | None = None,
     qk_norm: str | None = None,
     pre_norm: bool = True,
+    norms: tuple[str, ...] | None = None,
+    gemma_scores: bool = False,
 ) -> ArchSpec:
     return ArchSpec(
         name=name,
@@ -115,10 +120,11 @@ def _hf(
         hf_attention=f"transformers.models.{name}.modeling_{name}:{attention}",
         embed="model.embed_tokens.weight",
         tensors=_llama_tensors(
-            bias, ("input", "post_attention") if pre_norm else ("post_attention", "post_feedforward")
+            bias, norms or (("input", "post_attention") if pre_norm else ("post_attention", "post_feedforward"))
         ),
         qk_norm=qk_norm,
         pre_norm=pre_norm,
+        gemma_scores=gemma_scores,
     )
 
 
@@ -131,6 +137,15 @@ ARCHS: dict[str, ArchSpec] = {
     # OLMo 2: RMSNorm of q and k over the whole projection (all heads at once), norms after
     # attention and MLP.
     "olmo2": _hf("olmo2", "Olmo2Attention", _LLAMA_BIAS, qk_norm="whole", pre_norm=False),
+    # Gemma 2: scores scaled by query_pre_attn_scalar^-1/2 and soft-capped, norms before and after
+    # attention and MLP, alternating sliding-window layers (transformers' masks), tied embeddings.
+    "gemma2": _hf(
+        "gemma2",
+        "Gemma2Attention",
+        _LLAMA_BIAS,
+        norms=("input", "post_attention", "pre_feedforward", "post_feedforward"),
+        gemma_scores=True,
+    ),
     # The seed's MyGQA: per-layer W_Q/W_K/W_V/W_O, no RoPE, no mask, tiled head map.
     "seed": ArchSpec(
         name="seed",

@@ -31,6 +31,7 @@ class AttentionSpec:
     layer_prefix_template: str
     qk_norm: str | None = None  # "head": q and k RMS-normalised per head before RoPE (Qwen3)
     norm_eps: float | None = None  # the q/k norms' epsilon (rms_norm_eps)
+    softcap: float | None = None  # scores -> cap·tanh(scores/cap) before the mask (Gemma 2)
 
     def prefix(self, layer: int) -> str:
         """Name prefix of layer `layer`'s attention tensors."""
@@ -128,15 +129,20 @@ def _rope_dicts(config: dict) -> list[tuple[str, dict]]:
     return found
 
 
-def _check_rope_config(config: dict) -> None:
+def _check_rope_config(config: dict, arch: ArchSpec) -> None:
     factors = [("partial_rotary_factor", config.get("partial_rotary_factor"))]
     factors += [(f"{field}.partial_rotary_factor", p.get("partial_rotary_factor")) for field, p in _rope_dicts(config)]
     for field, factor in factors:
         if factor is not None and factor != 1.0:
             raise ConvertError(f"config.json {field}={factor}: partial RoPE is not supported yet")
     for field in ("attn_logit_softcapping", "query_pre_attn_scalar"):
-        if config.get(field) is not None:
+        if config.get(field) is not None and not arch.gemma_scores:
             raise ConvertError(f"config.json {field}={config[field]} is not supported for this architecture")
+    if config.get("use_bidirectional_attention"):
+        raise ConvertError(
+            "config.json use_bidirectional_attention=true: convert writes causal attention only; "
+            "set it to false if the model is a causal LM"
+        )
 
 
 def resolve_attention(
@@ -191,7 +197,7 @@ def resolve_attention(
     if head_map not in HEAD_MAPS:
         raise ConvertError(f"--head-map {head_map!r} is unknown; use one of {', '.join(HEAD_MAPS)}")
     if spec.rope:
-        _check_rope_config(config)
+        _check_rope_config(config, spec)
         if head_dim % 2:
             raise ConvertError(f"head_dim={head_dim} is odd: RoPE needs pairs of dims; check config.json head_dim")
     return AttentionSpec(
@@ -203,11 +209,24 @@ def resolve_attention(
         hidden_size=hidden_size,
         head_map=head_map,
         rope=spec.rope is not None,
-        softmax_scale=head_dim**-0.5,
+        softmax_scale=_softmax_scale(spec, config, head_dim),
         layer_prefix_template=template,
         qk_norm=spec.qk_norm,
         norm_eps=_norm_eps(spec, config),
+        softcap=config.get("attn_logit_softcapping") if spec.gemma_scores else None,
     )
+
+
+def _softmax_scale(arch: ArchSpec, config: dict, head_dim: int) -> float:
+    """1/√d, or Gemma's `query_pre_attn_scalar`^-1/2 (never guessed: a Gemma config must give it)."""
+    if not arch.gemma_scores:
+        return head_dim**-0.5
+    if config.get("query_pre_attn_scalar") is None:
+        raise ConvertError(
+            f"config.json has no query_pre_attn_scalar, which sets a {arch.name} model's softmax scale; add the "
+            "model's value (its Hugging Face config.json has it)"
+        )
+    return float(config["query_pre_attn_scalar"]) ** -0.5
 
 
 def _norm_eps(arch: ArchSpec, config: dict) -> float | None:

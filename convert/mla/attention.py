@@ -87,6 +87,7 @@ class MLAAttention(nn.Module):
         self.layout, self.joint = mla["layout"], mla["latent"] == "joint"
         self.n_heads, self.head_dim = mla["n_heads"], mla["head_dim"]
         self.scaling = mla["softmax_scale"]
+        self.softcap = mla.get("softcap")  # Gemma 2: scores -> cap·tanh(scores/cap), before the mask
         self.rope = mla["rope"] is not None
         self.is_causal = causal
         rank_k = layer["rank_kv"] if self.joint else layer["rank_k"]
@@ -178,6 +179,8 @@ class MLAAttention(nn.Module):
     def _attend(self, q, k, v, attention_mask):
         """q (B, H, L, e), k (B, 1|H, S, e), v (B, 1|H, S, f) -> (B, L, H·f)."""
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling  # (B, H, L, S)
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if attention_mask is not None and attention_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attention_mask[..., : k.shape[-2]], float("-inf"))
         elif attention_mask is not None:

@@ -224,6 +224,11 @@ def _check_against_config(mla: dict, arch: ArchSpec, config: dict, where: str) -
             )
     if arch.qk_norm is not None:
         check_field(where, "mla.norm_eps", mla.get("norm_eps"), positive, RECONVERT)
+    if mla.get("softcap") != (config.get("attn_logit_softcapping") if arch.gemma_scores else None):
+        raise ConvertError(
+            f"{where} mla.softcap={mla.get('softcap')!r} but the model's attn_logit_softcapping is "
+            f"{config.get('attn_logit_softcapping')!r}; {RECONVERT}"
+        )
     if mla["layer_prefix"] not in arch.layer_prefixes:
         problem = ("is not a layer prefix of the architecture", f"one of {', '.join(map(repr, arch.layer_prefixes))}")
         raise refuse(where, "mla.layer_prefix", mla["layer_prefix"], problem, RECONVERT)

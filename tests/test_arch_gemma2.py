@@ -1,0 +1,103 @@
+"""Gemma 2: scores scaled by query_pre_attn_scalar^-1/2 and soft-capped, alternating sliding-window
+layers, four norms per layer, tied embeddings — converted exactly in both layouts and checked
+against transformers' own Gemma 2.
+
+transformers implements soft-capping only in its eager attention (SDPA refuses `softcap`), whose
+softmax runs in float32 even for float64 inputs: the float64 reference is float32-accurate, so
+float64 runs are held to the float32 bound here (the converted model keeps float64 throughout).
+"""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import convert
+from convert.cli import main
+from convert.plan import plan_for_config
+
+from conftest import hf_model
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-5}  # see the module docstring for float64
+
+
+def gemma2(dtype=torch.float32, **overrides):
+    model = hf_model("gemma2", dtype=dtype, **overrides)
+    model.config._attn_implementation = "eager"  # the only implementation with soft-capping
+    return model
+
+
+def _ids(batch=2, length=24, seed=3):
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _rel(got, ref):
+    return float((got.double() - ref.double()).norm() / ref.double().norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("layout", ["absorbed", "factored"])
+def test_logits_and_greedy_equal_transformers(dtype, layout):
+    model = gemma2(dtype)
+    assert model.config.sliding_window < 24 and model.config.attn_logit_softcapping == 5.0
+    converted = convert.to_mla(model, layout=layout)
+    ids = _ids()
+    with torch.no_grad():
+        ref, got = model(ids).logits, converted(ids).logits
+    assert _rel(got, ref) <= TOL[dtype]
+    kwargs = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(converted.generate(ids[:1, :8], **kwargs), model.generate(ids[:1, :8], **kwargs))
+
+
+def test_the_soft_cap_and_scale_are_carried():
+    model = gemma2()
+    config = convert.convert_state_dict(model.state_dict(), model.config).config
+    assert config["mla"]["softcap"] == 5.0 and config["mla"]["softmax_scale"] == pytest.approx(24**-0.5)
+    uncapped = convert.to_mla(model)
+    for layer in uncapped.model.layers:
+        layer.self_attn.softcap = None  # without the cap the logits move: the test above can fail
+    ids = _ids()
+    with torch.no_grad():
+        assert _rel(uncapped(ids).logits, model(ids).logits) > 1e-3
+
+
+def test_cli_converts_and_verifies(tmp_path):
+    gemma2().save_pretrained(tmp_path / "src", safe_serialization=True)
+    result = CliRunner().invoke(main, ["gqa2mla", str(tmp_path / "src"), "-o", str(tmp_path / "out"), "-q"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    report = json.loads((tmp_path / "out" / "verification.json").read_text())
+    assert report["verdict"] == "PASS" and report["end_to_end"]["greedy_match"]
+
+
+def test_bidirectional_is_refused():
+    model = gemma2()
+    model.config.use_bidirectional_attention = True
+    with pytest.raises(convert.ConvertError, match="use_bidirectional_attention"):
+        convert.to_mla(model)
+
+
+def test_gemma_2_9b_plan():
+    config = {
+        "model_type": "gemma2",
+        "hidden_size": 3584,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "num_hidden_layers": 42,
+        "intermediate_size": 14336,
+        "vocab_size": 256000,
+        "query_pre_attn_scalar": 256,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "sliding_window": 4096,
+        "rms_norm_eps": 1e-6,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": True,
+    }
+    plan = plan_for_config(config)
+    exact = 8 * 256  # G·d = 2,048 per latent
+    assert [layer.ranks for layer in plan.layers] == [{"rank_k": exact, "rank_v": exact}] * 42
+    assert plan.cache_bytes_per_token() == (42 * 2 * exact * 2,) * 2  # bfloat16, as GQA
+    assert plan.spec.softcap == 50.0 and plan.spec.softmax_scale == 256**-0.5
+    assert plan.layers[0].shapes["q_absorbed.weight"] == (16 * exact, 3584)
