@@ -98,7 +98,19 @@ def test_verify_flags_reach_verify_paths(monkeypatch):
         raise SystemExit(0)
 
     monkeypatch.setattr(convert.verify, "verify_paths", fake_verify_paths)
-    args = ["--tokens", "17", "--dtype", "float32", "--device", "cpu", "--max-ppl-ratio", "1.5", "--e2e", "streamed", "-q"]
+    args = [
+        "--tokens",
+        "17",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--max-ppl-ratio",
+        "1.5",
+        "--e2e",
+        "streamed",
+        "-q",
+    ]
     result = CliRunner().invoke(main, ["verify", "a", "b", *args])
     assert result.exit_code == 0, result.output
     assert seen == {
