@@ -5,7 +5,7 @@ Both models' hidden states of the verification tokens are carried from decoder l
 decoder layer, each model in its own stream; one original and one converted decoder layer
 are in memory at a time, read from the checkpoints. The final norm and the logits follow,
 in vocabulary chunks of the lm_head read row block by row block: logsumexp, KL, top-1 and
-next-token NLL are accumulated per chunk, so no (tokens × vocab) tensor exists. The
+next-token NLL are accumulated per chunk in one pass, so no (tokens × vocab) tensor exists. The
 logits of a chunk are computed in the run's dtype (as the whole model does) and compared
 in float64.
 """
@@ -15,16 +15,9 @@ import torch
 from convert.arch import ARCHS
 from convert.io import Checkpoint
 from convert.mla.attention import build_mla_attention
-from convert.stream import LayerStream, checkpoint_tensors
+from convert.stream import LayerStream, checkpoint_tensors, embedding_rows, materialize
 
 VOCAB_CHUNK = 8192  # lm_head rows per chunk: chunk logits (L, C) stay small
-
-
-def _load(module: torch.nn.Module, tensors: dict, device, dtype) -> torch.nn.Module:
-    """Cast, then load strictly (loading float64 tensors into float32 parameters would round)."""
-    module = module.to(dtype)
-    module.load_state_dict(tensors, strict=True)
-    return module.to(device).eval()
 
 
 class _Stream:
@@ -37,24 +30,26 @@ class _Stream:
         self.arch = ARCHS[self.mla["source_architecture"]]
 
     def original_layer(self, layer: int) -> torch.nn.Module:
-        decoder = self.layers.decoder_cls(self.layers.ref_config, layer)
-        return _load(decoder, checkpoint_tensors(self.original, f"model.layers.{layer}."), self.device, self.dtype)
+        tensors = checkpoint_tensors(self.original, f"model.layers.{layer}.")
+        build = lambda: self.layers.decoder_cls(self.layers.ref_config, layer)
+        return materialize(build, tensors, self.device, self.dtype)
 
     def converted_layer(self, layer: int) -> torch.nn.Module:
         """The family's decoder layer with its attention swapped for MLAAttention, as
         `load_mla_model` builds it (eager config), with the converted tensors."""
-        decoder = self.layers.decoder_cls(self.layers.mask_config, layer)
-        window = getattr(decoder.self_attn, "sliding_window", None)
-        decoder.self_attn = build_mla_attention(
-            self.mla, layer, rotary=self.layers.rotary, sliding_window=window, dtype=self.dtype
-        )
-        return _load(decoder, checkpoint_tensors(self.converted, f"model.layers.{layer}."), self.device, self.dtype)
+
+        def build():
+            decoder = self.layers.decoder_cls(self.layers.mask_config, layer)
+            window = getattr(decoder.self_attn, "sliding_window", None)
+            decoder.self_attn = build_mla_attention(self.mla, layer, rotary=self.layers.rotary, sliding_window=window)
+            return decoder
+
+        tensors = checkpoint_tensors(self.converted, f"model.layers.{layer}.")
+        return materialize(build, tensors, self.device, self.dtype)
 
     def embed(self, checkpoint: Checkpoint, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows of `ids` (1, L) -> (1, L, D), read row by row (never the whole table)."""
-        name = self.arch.embed
-        rows = torch.cat([checkpoint.get_rows(name, t, t + 1) for t in ids[0].tolist()])  # (L, D)
-        return rows[None].to(device=self.device, dtype=self.dtype)  # (1, L, D)
+        return embedding_rows(checkpoint, self.arch.embed, ids).to(device=self.device, dtype=self.dtype)
 
     def head_name(self, checkpoint: Checkpoint) -> str:
         return "lm_head.weight" if "lm_head.weight" in checkpoint else self.arch.embed
@@ -63,8 +58,8 @@ class _Stream:
         """The final norm (the family's own class, as its decoder layers use) applied to hidden."""
         with torch.device("meta"):
             cls = type(self.layers.decoder_cls(self.layers.mask_config, 0).input_layernorm)
-        norm = cls(self.config["hidden_size"], eps=self.config.get("rms_norm_eps", 1e-6))
-        return _load(norm, checkpoint_tensors(checkpoint, "model.norm."), self.device, self.dtype)(hidden)
+        build = lambda: cls(self.config["hidden_size"], eps=self.config.get("rms_norm_eps", 1e-6))
+        return materialize(build, checkpoint_tensors(checkpoint, "model.norm."), self.device, self.dtype)(hidden)
 
 
 def hidden_states(stream: _Stream, windows: list[torch.Tensor], progress=iter):
@@ -110,23 +105,35 @@ def _logits_chunks(stream, ref_h, got_h):
 
 
 def _window_figures(stream, ref_h, got_h, ids: torch.Tensor) -> dict:
-    """Sums and maxima of one window (ids (1, L)), in two passes over the vocabulary."""
-    length = ids.shape[-1]
-    neg_inf = torch.full((length,), float("-inf"), dtype=torch.float64, device=stream.device)
-    lse_ref, lse_got = neg_inf.clone(), neg_inf.clone()
+    """Sums and maxima of one window (ids (1, L)), in one pass over the vocabulary.
+
+    Per row, with m the running maximum of the original's logits r (converted: g):
+    s = Σ exp(r − m), t = Σ exp(r − m)(r − g), rescaled when m grows; then
+    KL(p_r ‖ p_g) = Σ p_r (log p_r − log p_g) = t / s − lse(r) + lse(g).
+    """
+    length, device = ids.shape[-1], stream.device
+    neg_inf = torch.full((length,), float("-inf"), dtype=torch.float64, device=device)
+    lse_got, m = neg_inf.clone(), neg_inf.clone()
+    s = torch.zeros(length, dtype=torch.float64, device=device)
+    t = s.clone()
     best_ref, best_got = neg_inf.clone(), neg_inf.clone()
-    arg_ref = torch.zeros(length, dtype=torch.long, device=stream.device)
+    arg_ref = torch.zeros(length, dtype=torch.long, device=device)
     arg_got = arg_ref.clone()
-    target = ids[0, 1:].to(stream.device)  # (L-1,) next tokens
-    tgt_ref = torch.zeros(length - 1, dtype=torch.float64, device=stream.device)
+    target = ids[0, 1:].to(device)  # (L-1,) next tokens
+    tgt_ref = torch.zeros(length - 1, dtype=torch.float64, device=device)
     tgt_got = tgt_ref.clone()
     sq_diff = sq_ref = max_abs = 0.0
-    for start, ref, got in _logits_chunks(stream, ref_h, got_h):
+    for start, ref, got in _logits_chunks(stream, ref_h, got_h):  # (L, C) each, float64
         diff = got - ref
         sq_diff, sq_ref = sq_diff + float(diff.square().sum()), sq_ref + float(ref.square().sum())
         max_abs = max(max_abs, float(diff.abs().max()))
-        lse_ref = torch.logaddexp(lse_ref, torch.logsumexp(ref, -1))
         lse_got = torch.logaddexp(lse_got, torch.logsumexp(got, -1))
+        m_new = torch.maximum(m, ref.max(-1).values)
+        scale = torch.exp(m - m_new)  # (L,) 0 on the first chunk
+        weights = torch.exp(ref - m_new[:, None])  # (L, C)
+        s = s * scale + weights.sum(-1)
+        t = t * scale - (weights * diff).sum(-1)
+        m = m_new
         for logits, best, arg in ((ref, best_ref, arg_ref), (got, best_got, arg_got)):
             value, index = logits.max(-1)
             better = value > best  # strictly: the first maximum wins, as argmax over the whole row
@@ -135,10 +142,8 @@ def _window_figures(stream, ref_h, got_h, ids: torch.Tensor) -> dict:
         local = (target - start).clamp(0, ref.shape[-1] - 1)[:, None]
         tgt_ref += torch.where(inside, ref[:-1].gather(-1, local)[:, 0], 0.0)
         tgt_got += torch.where(inside, got[:-1].gather(-1, local)[:, 0], 0.0)
-    kl = torch.zeros(length, dtype=torch.float64, device=stream.device)
-    for _, ref, got in _logits_chunks(stream, ref_h, got_h):
-        logp_ref, logp_got = ref - lse_ref[:, None], got - lse_got[:, None]
-        kl += (logp_ref.exp() * (logp_ref - logp_got)).sum(-1)
+    lse_ref = m + s.log()
+    kl = t / s - lse_ref + lse_got  # (L,)
     return {
         "sq_diff": sq_diff,
         "sq_ref": sq_ref,
