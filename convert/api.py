@@ -291,6 +291,7 @@ def _verify_into(writer: CheckpointWriter, src: Path, opts: ConvertOptions, timi
     from convert.verify import verify, write_report
 
     t0 = time.perf_counter()
+    writer.write_index()  # a sharded output must open as a checkpoint before it is committed
     report = verify(src, writer.tmp_dir, opts)
     report["inputs"]["converted"]["path"] = str(writer.output)  # where it will be once committed
     timings["verify_s"] = time.perf_counter() - t0

@@ -91,3 +91,13 @@ def test_streamed_equals_whole_on_smollm2(smollm2, tmp_path):
         streamed = compare_streamed(orig, conv, config, ids, torch.device("cpu"), dtype, window=128)
     assert whole["ppl_original"] < 100  # real text through the real model
     assert_same_figures(streamed, whole)
+
+
+def test_sharded_output_verifies_before_commit(tiny_llama_dir, tmp_path):
+    """Verification reads the uncommitted output: a sharded one needs its index there already."""
+    result = gqa2mla(
+        tiny_llama_dir, tmp_path / "mla", max_shard_size="100KB", e2e="streamed", tokens=16, progress=False
+    )
+    assert len(list((tmp_path / "mla").glob("model-*.safetensors"))) > 1
+    assert (tmp_path / "mla" / "model.safetensors.index.json").is_file()
+    assert result.report["verdict"] == "PASS" and result.report["end_to_end"]["mode"] == "streamed"
