@@ -282,6 +282,7 @@ def _finish(writer: CheckpointWriter, source: Checkpoint, src: Path, config: dic
     writer.write_json("config.json", config)
     _copy_aux_files(source, writer)
     timings["convert_s"] = time.perf_counter() - t0
+    source.close()  # its mapped pages leave memory; verification opens the checkpoint again
     report = _verify_into(writer, src, opts, timings) if opts.verify else None
     return writer.commit(), report
 

@@ -97,6 +97,41 @@ def whole_model_memory_bytes(checkpoint_bytes: int, checkpoint_dtype: torch.dtyp
     return int(WHOLE_MODEL_FACTOR * checkpoint_bytes * itemsize(run_dtype) / itemsize(checkpoint_dtype))
 
 
+def streamed_verify_memory_bytes(
+    layer_bytes: int,
+    checkpoint_dtype: torch.dtype,
+    run_dtype: torch.dtype,
+    *,
+    tokens: int,
+    hidden: int,
+    intermediate: int,
+    n_heads: int,
+    window: int = 1024,
+    vocab_chunk: int = 8192,
+) -> int:
+    """Tensor memory of streamed verification (convert.verify.streamed), the process itself not counted.
+
+    layer_bytes: the largest decoder layer, original or converted, as stored. One decoder
+    layer is in memory at a time: its tensors as read plus the module in `run_dtype`. Then
+    both models' hidden states of all `tokens`, one layer's activations on a window
+    (MLP (w, 3·intermediate), attention scores (heads, w, w) twice), and one vocabulary
+    chunk: two models' lm_head rows (chunk, hidden) and a few float64 (w, chunk) logits.
+    """
+    run = itemsize(run_dtype)
+    w = min(tokens, window)
+    layer = layer_bytes + layer_bytes * run // itemsize(checkpoint_dtype)
+    states = 2 * 2 * tokens * hidden * run
+    inside = w * (3 * intermediate + 6 * hidden) * run + 2 * n_heads * w * w * max(run, 4)
+    logits = 6 * w * vocab_chunk * 8 + 2 * vocab_chunk * hidden * run
+    return layer + states + inside + logits
+
+
+def whole_model_activation_bytes(tokens: int, vocab: int, window: int = 1024) -> int:
+    """The (window × vocab) float64 tensors whole-model verification holds at once (the logits of
+    both models, their log-softmaxes, the difference, p): what `whole_model_memory_bytes` leaves out."""
+    return 6 * min(tokens, window) * vocab * 8
+
+
 def available_memory_bytes(device: torch.device) -> int:
     """Memory free for new tensors on `device` (CPU: the kernel's MemAvailable)."""
     if device.type == "cuda":

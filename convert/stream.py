@@ -40,13 +40,14 @@ def materialize(build, tensors: dict[str, torch.Tensor], device, dtype) -> torch
 
 def checkpoint_tensors(checkpoint, prefix: str) -> dict[str, torch.Tensor]:
     """The tensors under `prefix`, named relative to it."""
-    return {k[len(prefix) :]: checkpoint.get(k) for k in checkpoint.keys() if k.startswith(prefix)}
+    read = getattr(checkpoint, "read", checkpoint.get)  # plain reads where the checkpoint has them
+    return {k[len(prefix) :]: read(k) for k in checkpoint.keys() if k.startswith(prefix)}
 
 
 def embedding_rows(checkpoint, name: str, token_ids: torch.Tensor) -> torch.Tensor:
     """Rows `token_ids` (B, L) of the embedding table `name` -> (B, L, D), read row by row:
     the whole table (vocab × hidden) is never in memory."""
-    rows = [torch.cat([checkpoint.get_rows(name, t, t + 1) for t in seq]) for seq in token_ids.tolist()]
+    rows = [torch.cat([checkpoint.read_rows(name, t, t + 1) for t in seq]) for seq in token_ids.tolist()]
     return torch.stack(rows)  # (B, L, D)
 
 

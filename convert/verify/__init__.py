@@ -19,7 +19,7 @@ from convert.hf import source_fields
 from convert.io import open_checkpoint
 from convert.mla.model import load_mla_model, read_mla_config
 from convert.options import VerifyOptions
-from convert.plan import available_memory_bytes, whole_model_memory_bytes
+from convert.plan import available_memory_bytes, whole_model_activation_bytes, whole_model_memory_bytes
 from convert.text import model_tokenizer, text_token_ids
 from convert.verify.e2e import end_to_end, streamed_end_to_end
 from convert.verify.layers import LayerRun, check_hf_layers, check_seed_layers
@@ -98,7 +98,7 @@ def verify_paths(original, converted, **options) -> dict:
 def _end_to_end(opts: VerifyOptions, orig, conv, converted, config: dict, ids, ckpt_dtype) -> dict:
     """The end-to-end figures, whole models or streamed (opts.e2e; auto: whole when both fit)."""
     device, dtype = opts.torch_device, opts.torch_dtype
-    fits, why = _fits(orig, device, dtype)
+    fits, why = _fits(orig, device, dtype, ids.shape[-1], config.get("vocab_size"))
     mode = opts.e2e if opts.e2e != "auto" else ("whole" if fits else "streamed")
     if mode == "streamed":
         reason = "streaming was asked for (--e2e streamed)" if opts.e2e == "streamed" else f"they do not fit ({why})"
@@ -204,10 +204,12 @@ def _report(opts: VerifyOptions, layers, e2e, skipped, limits, inputs, timings, 
     }
 
 
-def _fits(orig, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+def _fits(orig, device: torch.device, dtype: torch.dtype, tokens=None, vocab=None) -> tuple[bool, str]:
     """Whether both whole models fit where they will run, by the plan's estimate."""
     ckpt_dtype = orig.dtype(orig.keys()[0])
     needed = whole_model_memory_bytes(orig.total_bytes(), ckpt_dtype, dtype)
+    if tokens is not None and vocab is not None:
+        needed += whole_model_activation_bytes(tokens, vocab)
     available = available_memory_bytes(device)
     return needed < available, f"needs ~{needed / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available"
 

@@ -92,7 +92,7 @@ def _chunks(stream: _Stream, checkpoint: Checkpoint):
     name = stream.head_name(checkpoint)
     vocab = checkpoint.shape(name)[0]
     for start in range(0, vocab, VOCAB_CHUNK):
-        rows = checkpoint.get_rows(name, start, min(start + VOCAB_CHUNK, vocab))
+        rows = checkpoint.read_rows(name, start, min(start + VOCAB_CHUNK, vocab))
         yield start, rows.to(device=stream.device, dtype=stream.dtype)
 
 
