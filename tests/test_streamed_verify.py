@@ -101,3 +101,19 @@ def test_sharded_output_verifies_before_commit(tiny_llama_dir, tmp_path):
     assert len(list((tmp_path / "mla").glob("model-*.safetensors"))) > 1
     assert (tmp_path / "mla" / "model.safetensors.index.json").is_file()
     assert result.report["verdict"] == "PASS" and result.report["end_to_end"]["mode"] == "streamed"
+
+
+def test_auto_streams_when_the_logits_do_not_fit(tiny_llama_dir, tmp_path, monkeypatch):
+    """auto: whole when both models and their (window × vocab) logits fit, else streamed."""
+    import convert.verify as verify_module
+    from convert.plan import whole_model_memory_bytes
+
+    out = tmp_path / "mla"
+    gqa2mla(tiny_llama_dir, out, verify=False, progress=False)
+    with open_checkpoint(tiny_llama_dir) as orig:
+        models = whole_model_memory_bytes(orig.total_bytes(), orig.dtype(orig.keys()[0]), torch.float64)
+    monkeypatch.setattr(verify_module, "available_memory_bytes", lambda device: models + 1)  # models fit, logits not
+    report = verify_paths(tiny_llama_dir, out, tokens=24, progress=False)
+    assert report["end_to_end"]["mode"] == "streamed" and "do not fit" in report["end_to_end"]["greedy_skipped"]
+    monkeypatch.setattr(verify_module, "available_memory_bytes", lambda device: 100 * models)
+    assert verify_paths(tiny_llama_dir, out, tokens=24, progress=False)["end_to_end"]["mode"] == "whole"
