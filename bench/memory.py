@@ -151,7 +151,6 @@ def write_synthetic(directory: Path, layers: int, seed: int = 0) -> dict:
 
 def sizes(config: dict) -> dict:
     """Bytes as stored of the largest decoder layer, the embedding, the largest layer overall."""
-    import torch
 
     from convert.hf import meta_state_dict
     from convert.plan import itemsize
@@ -160,7 +159,13 @@ def sizes(config: dict) -> dict:
     size = lambda names: sum(state[n].numel() * itemsize(state[n].dtype) for n in names)
     decoder = max(size([n for n in state if f".layers.{i}." in n]) for i in range(config["num_hidden_layers"]))
     embed = max(size([n]) for n in state if "embed" in n or "lm_head" in n)
-    return {"decoder_layer": decoder, "embedding": embed, "largest": max(decoder, embed), "dtype": torch.bfloat16}
+    from convert.plan import plan_for_config
+
+    plan = plan_for_config(config)  # the exact default conversion: its layers can be larger than the source's
+    grown = max(layer.params - plan._layer_source_params(i) for i, layer in enumerate(plan.layers))
+    converted = decoder + max(0, grown) * itemsize(plan.dtype)
+    largest = max(decoder, converted, embed)
+    return {"decoder_layer": decoder, "converted_decoder_layer": converted, "embedding": embed, "largest": largest}
 
 
 def estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "float64") -> dict:
@@ -188,6 +193,16 @@ def estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "float64
     return {"conversion_bytes": conversion, "verify_bytes": verify, "peak_bytes": baseline + max(conversion, verify)}
 
 
+def whole_estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "float64") -> int:
+    """The estimate `--e2e auto` compares with the memory available: both whole models and their logits."""
+    from convert.options import TORCH_DTYPES
+    from convert.plan import plan_for_config, whole_model_activation_bytes, whole_model_memory_bytes
+
+    plan = plan_for_config(config)
+    models = whole_model_memory_bytes(plan.checkpoint_bytes, plan.dtype, TORCH_DTYPES[run_dtype])
+    return baseline + models + whole_model_activation_bytes(tokens, config["vocab_size"])
+
+
 def _itemsize(dtype) -> int:
     from convert.plan import itemsize
 
@@ -195,14 +210,17 @@ def _itemsize(dtype) -> int:
 
 
 def case(name: str, src: Path, config: dict, tokens: int, modes: list[str], baseline: int, text: Path | None) -> dict:
+    """modes: `--e2e` modes, optionally `:dtype` (the verification dtype; default float64)."""
     s = sizes(config)
     goal = GiB + 2 * s["largest"]
-    est = estimate(config, baseline, tokens)
     rows = {}
-    for mode in modes:
+    for run in modes:
+        mode, _, dtype = run.partition(":")
+        dtype = dtype or "float64"
+        est = estimate(config, baseline, tokens, dtype)
         with tempfile.TemporaryDirectory(dir=src.parent) as tmp:
             args = ["gqa2mla", str(src), "-o", str(Path(tmp) / "out"), "--force", "-q"]
-            args += ["--e2e", mode, "--tokens", str(tokens)] + (["--text", str(text)] if text else [])
+            args += ["--e2e", mode, "--tokens", str(tokens), "--dtype", dtype] + (["--text", str(text)] if text else [])
             result = run_child(args)
             report = Path(tmp) / "out" / "verification.json"
             if report.is_file():
@@ -210,17 +228,27 @@ def case(name: str, src: Path, config: dict, tokens: int, modes: list[str], base
                 result["verdict"] = data["verdict"]
                 result["timings"] = data["timings"]
                 result["greedy_skipped"] = (data["end_to_end"] or {}).get("greedy_skipped")
+                result["failures"] = data["failures"]
+                e2e = data["end_to_end"] or {}
+                result["figures"] = {
+                    k: e2e.get(k) for k in ("logits_rel_error", "kl_mean", "top1_agreement", "ppl_ratio")
+                }
+                result["max_layer_rel_error"] = max((layer["rel_error"] for layer in data["layers"]), default=None)
         result["goal_bytes"] = goal
         result["meets_goal"] = result["vmhwm"] <= goal
-        result["estimate_error"] = est["peak_bytes"] / result["vmhwm"] - 1
-        rows[mode] = result
+        result["estimate"] = est
+        result["estimate_bytes"] = (
+            est["peak_bytes"] if mode == "streamed" else whole_estimate(config, baseline, tokens, dtype)
+        )
+        result["estimate_error"] = result["estimate_bytes"] / result["vmhwm"] - 1
+        rows[run] = result
         print(
-            f"{name} --e2e {mode}: peak {result['vmhwm'] / GiB:.2f} GiB (anon {result['peak_anon'] / GiB:.2f}, "
-            f"file {result['peak_file'] / GiB:.2f}), goal {goal / GiB:.2f} GiB, estimate {est['peak_bytes'] / GiB:.2f} "
+            f"{name} --e2e {mode} --dtype {dtype}: peak {result['vmhwm'] / GiB:.2f} GiB (anon {result['peak_anon'] / GiB:.2f}, "
+            f"file {result['peak_file'] / GiB:.2f}), goal {goal / GiB:.2f} GiB, estimate {result['estimate_bytes'] / GiB:.2f} "
             f"GiB ({result['estimate_error']:+.0%}), {result['wall_s']:.0f} s, exit {result['exit']}",
             flush=True,
         )
-    return {"layers": config["num_hidden_layers"], "tokens": tokens, "sizes": s, "estimate": est, "runs": rows}
+    return {"layers": config["num_hidden_layers"], "tokens": tokens, "sizes": s, "runs": rows}
 
 
 def main() -> None:
