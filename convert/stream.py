@@ -20,22 +20,32 @@ def load_module(module: torch.nn.Module, checkpoint, prefix: str, device, dtype)
     return module.to(device=device, dtype=dtype).eval()
 
 
-def materialize(build, tensors: dict[str, torch.Tensor], device, dtype) -> torch.nn.Module:
-    """`build()`'s module with `tensors` loaded strictly, allocated once, in `dtype` on `device`.
+def materialize(build, checkpoint, prefix: str, device, dtype) -> torch.nn.Module:
+    """`build()`'s module with the checkpoint's tensors under `prefix`, loaded strictly.
 
-    The module is built on the meta device and its storage allocated directly in `dtype`
-    (not float32 first, then cast), so the peak is the module plus the tensors read; and
-    casting before loading keeps float64 tensors exact.
+    The module is built on the meta device and its storage allocated once, directly in
+    `dtype` on `device` (casting before loading keeps float64 tensors exact); the tensors
+    are read and copied in one at a time, so the peak is the module plus its largest tensor.
     """
     with torch.device("meta"):
         module = build()
-    named = {n for n, _ in module.named_buffers()}
-    if named - set(tensors):  # buffers the checkpoint does not hold: build them for real
-        module = build().to(dtype)
+    names = {k[len(prefix) :] for k in checkpoint.keys() if k.startswith(prefix)}
+    expected = set(module.state_dict())
+    if names != expected:
+        raise RuntimeError(
+            f"{prefix}: tensors do not fit the module (missing {sorted(expected - names)[:3]}, "
+            f"unexpected {sorted(names - expected)[:3]})"
+        )
+    buffers = {n for n, _ in module.named_buffers()}
+    if buffers - expected:  # buffers the checkpoint does not hold: build them for real
+        module = build().to(device=device, dtype=dtype)
     else:
         module = module.to(dtype).to_empty(device=device)
-    module.load_state_dict(tensors, strict=True)
-    return module.to(device).eval()
+    read = getattr(checkpoint, "read", checkpoint.get)  # plain reads where the checkpoint has them
+    with torch.no_grad():
+        for name, target in module.state_dict(keep_vars=True).items():
+            target.copy_(read(prefix + name))
+    return module.eval()
 
 
 def checkpoint_tensors(checkpoint, prefix: str) -> dict[str, torch.Tensor]:
@@ -83,10 +93,8 @@ class LayerStream:
         the normed hidden states entering its attention; advances when resumed."""
         hidden = embedding_rows(self.checkpoint, self.arch.embed, token_ids).to(self.device, self.dtype)  # (B, L, D)
         for layer in progress(range(n_layers)):
-            tensors = checkpoint_tensors(self.checkpoint, f"model.layers.{layer}.")
             build = functools.partial(self.decoder_cls, self.ref_config, layer)
-            decoder = materialize(build, tensors, self.device, self.dtype)
-            del tensors
+            decoder = materialize(build, self.checkpoint, f"model.layers.{layer}.", self.device, self.dtype)
             with torch.no_grad():
                 x = decoder.input_layernorm(hidden)
                 inputs = self.inputs(layer, x)

@@ -15,7 +15,7 @@ import torch
 from convert.arch import ARCHS
 from convert.io import Checkpoint
 from convert.mla.attention import build_mla_attention
-from convert.stream import LayerStream, checkpoint_tensors, embedding_rows, materialize
+from convert.stream import LayerStream, embedding_rows, materialize
 
 VOCAB_CHUNK = 8192  # lm_head rows per chunk: chunk logits (L, C) stay small
 
@@ -30,9 +30,8 @@ class _Stream:
         self.arch = ARCHS[self.mla["source_architecture"]]
 
     def original_layer(self, layer: int) -> torch.nn.Module:
-        tensors = checkpoint_tensors(self.original, f"model.layers.{layer}.")
         build = lambda: self.layers.decoder_cls(self.layers.ref_config, layer)
-        return materialize(build, tensors, self.device, self.dtype)
+        return materialize(build, self.original, f"model.layers.{layer}.", self.device, self.dtype)
 
     def converted_layer(self, layer: int) -> torch.nn.Module:
         """The family's decoder layer with its attention swapped for MLAAttention, as
@@ -44,8 +43,7 @@ class _Stream:
             decoder.self_attn = build_mla_attention(self.mla, layer, rotary=self.layers.rotary, sliding_window=window)
             return decoder
 
-        tensors = checkpoint_tensors(self.converted, f"model.layers.{layer}.")
-        return materialize(build, tensors, self.device, self.dtype)
+        return materialize(build, self.converted, f"model.layers.{layer}.", self.device, self.dtype)
 
     def embed(self, checkpoint: Checkpoint, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows of `ids` (1, L) -> (1, L, D), read row by row (never the whole table)."""
@@ -59,7 +57,7 @@ class _Stream:
         with torch.device("meta"):
             cls = type(self.layers.decoder_cls(self.layers.mask_config, 0).input_layernorm)
         build = lambda: cls(self.config["hidden_size"], eps=self.config.get("rms_norm_eps", 1e-6))
-        return materialize(build, checkpoint_tensors(checkpoint, "model.norm."), self.device, self.dtype)(hidden)
+        return materialize(build, checkpoint, "model.norm.", self.device, self.dtype)(hidden)
 
 
 def hidden_states(stream: _Stream, windows: list[torch.Tensor], progress=iter):
