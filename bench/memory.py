@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -174,15 +175,15 @@ def estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "float64
     from convert.plan import plan_for_config, streamed_verify_memory_bytes
 
     plan = plan_for_config(config)
-    # the converted layer may be larger than the source's (factored keeps the up-projections)
-    source_layer = max(plan._layer_source_params(i) for i in range(len(plan.layers)))
-    converted_attention = max(layer.params for layer in plan.layers)
-    layer_dtype = plan.dtype
     s = sizes(config)
-    layer_bytes = s["decoder_layer"] + max(0, converted_attention - source_layer) * _itemsize(layer_dtype)
+    attention = max(layer.params for layer in plan.layers) * _itemsize(plan.dtype)
+    layer_bytes = max(s["converted_decoder_layer"], s["decoder_layer"] + attention)
+    layer_tensors = [(shape, dtype) for name, (shape, dtype) in plan.output_tensors().items() if ".layers." in name]
+    tensor_bytes = max(math.prod(shape) * _itemsize(dtype) for shape, dtype in layer_tensors)  # decoder tensors
     verify = streamed_verify_memory_bytes(
         layer_bytes,
-        layer_dtype,
+        tensor_bytes,
+        plan.dtype,
         TORCH_DTYPES[run_dtype],
         tokens=tokens,
         hidden=config["hidden_size"],
