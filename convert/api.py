@@ -317,6 +317,7 @@ def _finish(writer: CheckpointWriter, source: Checkpoint, src: Path, config: dic
     writer.write_json("config.json", config)
     _copy_aux_files(source, writer)
     timings["convert_s"] = time.perf_counter() - t0
+    source.close()  # its mapped pages leave memory; verification opens the checkpoint again
     report = _verify_into(writer, src, opts, timings) if opts.verify else None
     return writer.commit(), report
 
@@ -326,6 +327,7 @@ def _verify_into(writer: CheckpointWriter, src: Path, opts: ConvertOptions, timi
     from convert.verify import verify, write_report
 
     t0 = time.perf_counter()
+    writer.write_index()  # a sharded output must open as a checkpoint before it is committed
     report = verify(src, writer.tmp_dir, opts)
     report["inputs"]["converted"]["path"] = str(writer.output)  # where it will be once committed
     timings["verify_s"] = time.perf_counter() - t0

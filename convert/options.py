@@ -18,6 +18,7 @@ LAYOUTS = ("absorbed", "factored")
 LATENTS = ("split", "joint")
 HEAD_MAPS = ("grouped", "tiled")
 DEVICES = ("auto", "cpu", "cuda")
+E2E_MODES = ("auto", "whole", "streamed")
 METHODS = ("svd", "whitened", "fisher")
 ALLOCATIONS = ("uniform", "global")
 TORCH_DTYPES = {
@@ -83,11 +84,19 @@ class VerifyOptions(_FromKwargs):
     max_ppl_ratio: float | None = option(
         None, "Lossy conversions: FAIL when converted/original perplexity on --text exceeds this.", kind=float
     )
+    e2e: str = option(
+        "auto",
+        "End-to-end check: whole = both whole models in memory (greedy generation too); streamed = one decoder "
+        "layer of each at a time, logits in vocabulary chunks (same figures, no greedy generation); auto = whole "
+        "when both fit in memory, else streamed.",
+        choices=E2E_MODES,
+    )
     progress: bool = option(True, "No progress bar or summary.", flag="--quiet", short="-q", off_flag="--quiet")
 
     def __post_init__(self) -> None:
         _choice("--device", self.device, DEVICES)
         _choice("--dtype", self.dtype, DTYPES)
+        _choice("--e2e", self.e2e, E2E_MODES)
         if self.device == "cuda":
             resolve_device(self.device)  # refuse now, before any work, when there is no CUDA
         if self.tokens <= 1:

@@ -103,6 +103,44 @@ def whole_model_memory_bytes(checkpoint_bytes: int, checkpoint_dtype: torch.dtyp
     return int(WHOLE_MODEL_FACTOR * checkpoint_bytes * itemsize(run_dtype) / itemsize(checkpoint_dtype))
 
 
+def streamed_verify_memory_bytes(
+    layer_bytes: int,
+    tensor_bytes: int,
+    checkpoint_dtype: torch.dtype,
+    run_dtype: torch.dtype,
+    *,
+    tokens: int,
+    hidden: int,
+    intermediate: int,
+    n_heads: int,
+    window: int = 1024,
+    vocab_chunk: int = 8192,
+) -> int:
+    """Tensor memory of streamed verification (convert.verify.streamed, .layers), the process not counted.
+
+    layer_bytes: the most module bytes in memory at once, as stored: the larger of a converted
+    decoder layer and (per-layer check) an original decoder layer plus a converted attention.
+    tensor_bytes: the largest single tensor, as stored. Modules are allocated in `run_dtype` and
+    filled one tensor at a time. Then both models' hidden states of all `tokens`, one layer's
+    activations on a window (MLP (w, 3·intermediate), attention scores (heads, w, w) twice), and
+    one vocabulary chunk: two models' lm_head rows (chunk, hidden) and a few float64 (w, chunk)
+    logits.
+    """
+    run = itemsize(run_dtype)
+    w = min(tokens, window)
+    modules = (layer_bytes * run + tensor_bytes * max(run, itemsize(checkpoint_dtype))) // itemsize(checkpoint_dtype)
+    states = 2 * 2 * tokens * hidden * run
+    inside = w * (3 * intermediate + 6 * hidden) * run + 2 * n_heads * w * w * max(run, 4)
+    logits = 6 * w * vocab_chunk * 8 + 2 * vocab_chunk * hidden * run
+    return modules + states + inside + logits
+
+
+def whole_model_activation_bytes(tokens: int, vocab: int, window: int = 1024) -> int:
+    """The (window × vocab) float64 tensors whole-model verification holds at once (the logits of
+    both models, their log-softmaxes, the difference, p): what `whole_model_memory_bytes` leaves out."""
+    return 6 * min(tokens, window) * vocab * 8
+
+
 def available_memory_bytes(device: torch.device) -> int:
     """Memory free for new tensors on `device` (CPU: the kernel's MemAvailable)."""
     if device.type == "cuda":

@@ -6,6 +6,8 @@ machine's memory; here one layer is built, loaded lazily from the safetensors
 files, run on the captured hidden states, and dropped.
 """
 
+import functools
+
 import torch
 
 from convert.arch import ARCHS
@@ -18,9 +20,45 @@ def load_module(module: torch.nn.Module, checkpoint, prefix: str, device, dtype)
     return module.to(device=device, dtype=dtype).eval()
 
 
+def materialize(build, checkpoint, prefix: str, device, dtype) -> torch.nn.Module:
+    """`build()`'s module with the checkpoint's tensors under `prefix`, loaded strictly.
+
+    The module is built on the meta device and its storage allocated once, directly in
+    `dtype` on `device` (casting before loading keeps float64 tensors exact); the tensors
+    are read and copied in one at a time, so the peak is the module plus its largest tensor.
+    """
+    with torch.device("meta"):
+        module = build()
+    names = {k[len(prefix) :] for k in checkpoint.keys() if k.startswith(prefix)}
+    expected = set(module.state_dict())
+    if names != expected:
+        raise RuntimeError(
+            f"{prefix}: tensors do not fit the module (missing {sorted(expected - names)[:3]}, "
+            f"unexpected {sorted(names - expected)[:3]})"
+        )
+    buffers = {n for n, _ in module.named_buffers()}
+    if buffers - expected:  # buffers the checkpoint does not hold: build them for real
+        module = build().to(device=device, dtype=dtype)
+    else:
+        module = module.to(dtype).to_empty(device=device)
+    read = getattr(checkpoint, "read", checkpoint.get)  # plain reads where the checkpoint has them
+    with torch.no_grad():
+        for name, target in module.state_dict(keep_vars=True).items():
+            target.copy_(read(prefix + name))
+    return module.eval()
+
+
 def checkpoint_tensors(checkpoint, prefix: str) -> dict[str, torch.Tensor]:
     """The tensors under `prefix`, named relative to it."""
-    return {k[len(prefix) :]: checkpoint.get(k) for k in checkpoint.keys() if k.startswith(prefix)}
+    read = getattr(checkpoint, "read", checkpoint.get)  # plain reads where the checkpoint has them
+    return {k[len(prefix) :]: read(k) for k in checkpoint.keys() if k.startswith(prefix)}
+
+
+def embedding_rows(checkpoint, name: str, token_ids: torch.Tensor) -> torch.Tensor:
+    """Rows `token_ids` (B, L) of the embedding table `name` -> (B, L, D), read row by row:
+    the whole table (vocab × hidden) is never in memory."""
+    rows = [torch.cat([checkpoint.read_rows(name, t, t + 1) for t in seq]) for seq in token_ids.tolist()]
+    return torch.stack(rows)  # (B, L, D)
 
 
 class LayerStream:
@@ -53,16 +91,10 @@ class LayerStream:
     def run(self, token_ids: torch.Tensor, n_layers: int, progress=iter):
         """Yield (layer, x, decoder, (positions, rotary, mask)) for each layer, x (B, L, D)
         the normed hidden states entering its attention; advances when resumed."""
-        embed = self.checkpoint.get(self.arch.embed)
-        hidden = embed[token_ids.cpu()].to(device=self.device, dtype=self.dtype)  # (B, L, D)
+        hidden = embedding_rows(self.checkpoint, self.arch.embed, token_ids).to(self.device, self.dtype)  # (B, L, D)
         for layer in progress(range(n_layers)):
-            decoder = load_module(
-                self.decoder_cls(self.ref_config, layer),
-                self.checkpoint,
-                f"model.layers.{layer}.",
-                self.device,
-                self.dtype,
-            )
+            build = functools.partial(self.decoder_cls, self.ref_config, layer)
+            decoder = materialize(build, self.checkpoint, f"model.layers.{layer}.", self.device, self.dtype)
             with torch.no_grad():
                 x = decoder.input_layernorm(hidden) if self.arch.pre_norm else hidden  # OLMo 2: post-norm
                 inputs = self.inputs(layer, x)

@@ -47,6 +47,7 @@ NON_DEFAULTS = {
     "device": (["--device", "cpu"], "cpu"),
     "dtype": (["--dtype", "float32"], "float32"),
     "max_ppl_ratio": (["--max-ppl-ratio", "1.5"], 1.5),
+    "e2e": (["--e2e", "streamed"], "streamed"),
     "progress": (["-q"], False),
     "target": (["--target", "transformers"], "transformers"),
     "arch": (["--arch", "llama"], "llama"),
@@ -97,7 +98,19 @@ def test_verify_flags_reach_verify_paths(monkeypatch):
         raise SystemExit(0)
 
     monkeypatch.setattr(convert.verify, "verify_paths", fake_verify_paths)
-    args = ["--tokens", "17", "--dtype", "float32", "--device", "cpu", "--max-ppl-ratio", "1.5", "-q"]
+    args = [
+        "--tokens",
+        "17",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--max-ppl-ratio",
+        "1.5",
+        "--e2e",
+        "streamed",
+        "-q",
+    ]
     result = CliRunner().invoke(main, ["verify", "a", "b", *args])
     assert result.exit_code == 0, result.output
     assert seen == {
@@ -106,6 +119,7 @@ def test_verify_flags_reach_verify_paths(monkeypatch):
         "device": "cpu",
         "dtype": "float32",
         "max_ppl_ratio": 1.5,
+        "e2e": "streamed",
         "progress": False,
     }
     VerifyOptions.from_kwargs(**seen)  # and the API accepts exactly these names

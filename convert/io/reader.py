@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -480,6 +481,48 @@ class Checkpoint:
         """Read rows ``start:stop`` of the first dimension of ``name``."""
         entry = self.entry(name)
         return self._handle(entry.file).get_slice(name)[start:stop]
+
+    def read(self, name: str) -> torch.Tensor:
+        """Read one tensor into its own memory with plain file reads, not through a mapping:
+        its pages leave this process's RSS when the tensor is freed (verification streams
+        a model through memory this way; `get`'s mapped pages stay resident while open)."""
+        entry = self.entry(name)
+        return self._from_bytes(entry, self._pread(name, entry, entry.start, entry.nbytes), entry.shape)
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of the first dimension of ``name``, read like `read`."""
+        entry = self.entry(name)
+        stop = min(stop, entry.shape[0])
+        row = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
+        data = self._pread(name, entry, entry.start + row * start, row * (stop - start))
+        return self._from_bytes(entry, data, (stop - start, *entry.shape[1:]))
+
+    def _pread(self, name: str, entry: TensorEntry, offset: int, nbytes: int) -> bytearray:
+        """`nbytes` at `offset` of the tensor's file, read straight into one new buffer."""
+        buffer = bytearray(nbytes)
+        done, fd = 0, self._raw_file(entry.file).fileno()
+        while done < nbytes:
+            got = os.preadv(fd, [memoryview(buffer)[done:]], offset + done)
+            if got == 0:
+                raise ConvertError(
+                    f"{entry.file}: tensor '{name}' data ends early (file shrank while open?); "
+                    "re-download or re-export the checkpoint"
+                )
+            done += got
+        return buffer
+
+    @staticmethod
+    def _from_bytes(entry: TensorEntry, data: bytearray, shape: tuple[int, ...]) -> torch.Tensor:
+        if not data:
+            return torch.empty(shape, dtype=entry.dtype)
+        return torch.frombuffer(data, dtype=entry.dtype).reshape(shape)
+
+    def _raw_file(self, file: Path) -> BinaryIO:
+        f = self._raw.get(file)
+        if f is None:
+            f = open(file, "rb")
+            self._raw[file] = f
+        return f
 
     def raw_bytes(self, name: str) -> bytes:
         """The tensor's exact bytes as stored in the file (for bit-for-bit copies)."""

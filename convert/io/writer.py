@@ -339,6 +339,14 @@ class CheckpointWriter:
                 "this is a converter bug, please report it"
             )
 
+    def write_index(self) -> None:
+        """Write the shard index now (commit writes it too), so the temporary directory
+        opens as a checkpoint before the commit: verification reads it there."""
+        self._check_open()
+        self._check_complete()
+        with self._os_errors():
+            self._write_index()
+
     def _write_index(self) -> None:
         if len(self._shards) == 1:
             return

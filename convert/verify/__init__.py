@@ -19,9 +19,9 @@ from convert.hf import source_fields
 from convert.io import open_checkpoint
 from convert.mla.model import load_mla_model, read_mla_config
 from convert.options import VerifyOptions
-from convert.plan import available_memory_bytes, whole_model_memory_bytes
+from convert.plan import available_memory_bytes, whole_model_activation_bytes, whole_model_memory_bytes
 from convert.text import model_tokenizer, text_token_ids
-from convert.verify.e2e import end_to_end
+from convert.verify.e2e import end_to_end, streamed_end_to_end
 from convert.verify.layers import LayerRun, check_hf_layers, check_seed_layers
 from convert.verify.report import check, coarsest, decide, render_markdown, thresholds, write_report
 
@@ -86,19 +86,25 @@ def verify_paths(original, converted, **options) -> dict:
         timings = {"layers_s": time.perf_counter() - t0}
         e2e, skipped = None, "the source architecture has no transformers causal LM" if not runnable else None
         if runnable:
-            fits, why = _fits(orig, run_device, run_dtype)
-            if fits:
-                t0 = time.perf_counter()
-                tokenizer = model_tokenizer(orig.root)
-                load = lambda device, dtype: load_mla_model(converted, device=device, dtype=dtype)
-                e2e = end_to_end(orig, load, config, ids, run_device, run_dtype, ckpt_dtype, tokenizer)
-                timings["end_to_end_s"] = time.perf_counter() - t0
-            else:
-                skipped = f"the two whole models do not fit ({why}); per-layer checks streamed instead"
+            t0 = time.perf_counter()
+            e2e = _end_to_end(opts, orig, conv, converted, config, ids, ckpt_dtype)
+            timings["end_to_end_s"] = time.perf_counter() - t0
         limits = thresholds(coarsest(run_dtype, ckpt_dtype), max_ppl_ratio)
         inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(text, ids)}
     timings["total_s"] = time.perf_counter() - start
     return _report(opts, layers, e2e, skipped, limits, inputs, timings, [copied])
+
+
+def _end_to_end(opts: VerifyOptions, orig, conv, converted, config: dict, ids, ckpt_dtype) -> dict:
+    """The end-to-end figures, whole models or streamed (opts.e2e; auto: whole when both fit)."""
+    device, dtype = opts.torch_device, opts.torch_dtype
+    fits, why = _fits(orig, device, dtype, ids.shape[-1], config.get("vocab_size"))
+    mode = opts.e2e if opts.e2e != "auto" else ("whole" if fits else "streamed")
+    if mode == "streamed":
+        reason = "streaming was asked for (--e2e streamed)" if opts.e2e == "streamed" else f"they do not fit ({why})"
+        return streamed_end_to_end(orig, conv, config, ids, device, dtype, ckpt_dtype, reason)
+    load = lambda device, dtype: load_mla_model(converted, device=device, dtype=dtype)
+    return end_to_end(orig, load, config, ids, device, dtype, ckpt_dtype, model_tokenizer(orig.root))
 
 
 def _check_same_source(orig, config: dict, converted) -> None:
@@ -186,6 +192,7 @@ def _report(opts: VerifyOptions, layers, e2e, skipped, limits, inputs, timings, 
             "device": opts.device,
             "dtype": opts.dtype,
             "max_ppl_ratio": opts.max_ppl_ratio,
+            "e2e": opts.e2e,
         },
         "versions": _versions(),
         "device": {
@@ -197,10 +204,12 @@ def _report(opts: VerifyOptions, layers, e2e, skipped, limits, inputs, timings, 
     }
 
 
-def _fits(orig, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+def _fits(orig, device: torch.device, dtype: torch.dtype, tokens=None, vocab=None) -> tuple[bool, str]:
     """Whether both whole models fit where they will run, by the plan's estimate."""
     ckpt_dtype = orig.dtype(orig.keys()[0])
     needed = whole_model_memory_bytes(orig.total_bytes(), ckpt_dtype, dtype)
+    if tokens is not None and vocab is not None:
+        needed += whole_model_activation_bytes(tokens, vocab)
     available = available_memory_bytes(device)
     return needed < available, f"needs ~{needed / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available"
 

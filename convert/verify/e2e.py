@@ -96,5 +96,34 @@ def end_to_end(
         "kv_cache_dtype": str(ckpt_dtype).removeprefix("torch."),
         "params_original": sum(p.numel() for p in ref_model.parameters()),
         "params_converted": sum(p.numel() for p in mla_model.parameters()),
+        "mode": "whole",
+        "greedy_skipped": None,
     }
     return result
+
+
+def streamed_end_to_end(
+    original: Checkpoint, converted: Checkpoint, config: dict, ids: torch.Tensor, device, dtype, ckpt_dtype, why
+) -> dict:
+    """`end_to_end`'s report with the models streamed one decoder layer at a time
+    (`convert.verify.streamed`); greedy generation, which needs whole models with a KV
+    cache, is not run: `greedy_skipped` says why."""
+    from convert.verify import streamed
+
+    result = streamed.compare_streamed(original, converted, config, ids.to(device), device, dtype)
+    cache_original, cache_converted = streamed.cache_bytes_per_token(config, ckpt_dtype)
+    return result | {
+        "greedy_original": None,
+        "greedy_converted": None,
+        "greedy_match": None,
+        "greedy_prompt_text": None,
+        "greedy_text_original": None,
+        "greedy_text_converted": None,
+        "kv_cache_bytes_per_token_original": cache_original,
+        "kv_cache_bytes_per_token_converted": cache_converted,
+        "kv_cache_dtype": str(ckpt_dtype).removeprefix("torch."),
+        "params_original": streamed.params(original),
+        "params_converted": streamed.params(converted),
+        "mode": "streamed",
+        "greedy_skipped": f"greedy generation needs both whole models with a KV cache, and {why}",
+    }

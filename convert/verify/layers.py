@@ -13,7 +13,7 @@ import torch
 
 from convert.io import Checkpoint
 from convert.mla.attention import MLAAttention, build_mla_attention
-from convert.stream import LayerStream, checkpoint_tensors, load_module
+from convert.stream import LayerStream, load_module, materialize
 from convert.verify.seed import MyGQA
 
 
@@ -43,8 +43,8 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 
 def _mla_module(run: LayerRun, layer: int, rotary=None) -> MLAAttention:
-    tensors = checkpoint_tensors(run.converted, run.prefix(layer))
-    return build_mla_attention(run.mla, layer, tensors, rotary=rotary, dtype=run.dtype).to(run.device)
+    build = lambda: build_mla_attention(run.mla, layer, rotary=rotary, dtype=run.dtype)
+    return materialize(build, run.converted, run.prefix(layer), run.device, run.dtype)
 
 
 def check_hf_layers(run: LayerRun, token_ids: torch.Tensor | None, n_tokens: int, progress) -> list[dict]:

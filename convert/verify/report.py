@@ -11,7 +11,8 @@ Schema `convert.verification/1` (verification.json):
                       ppl_original, ppl_converted, ppl_ratio, greedy_original, greedy_converted,
                       greedy_match, greedy_prompt_text, greedy_text_{original,converted} (null without a tokenizer),
                       kv_cache_bytes_per_token_{original,converted} (in kv_cache_dtype, the checkpoint's),
-                      params_{original,converted}}
+                      params_{original,converted}, mode (whole | streamed),
+                      greedy_skipped (null, or why: greedy_* are then null)}
                      or null, with end_to_end_skipped: reason
   inputs             {original: {path, files: {name: sha256}}, converted: {…}, text: {path, sha256, tokens} | null}
   options, versions  {convert, torch, transformers, python}, device {type, name}, dtype, timings {…_s}
@@ -203,7 +204,8 @@ def _e2e_lines(report: dict) -> list[str]:
             "perplexity original → converted",
             f"{e2e['ppl_original']:.6g} → {e2e['ppl_converted']:.6g} (×{e2e['ppl_ratio']:.6f})",
         ),
-        ("greedy continuation identical", "yes" if e2e["greedy_match"] else "no"),
+        ("end-to-end mode", e2e.get("mode", "whole")),
+        ("greedy continuation identical", _greedy_cell(e2e)),
         (
             f"KV cache bytes/token original → converted ({e2e.get('kv_cache_dtype', report['dtype'])})",
             f"{e2e['kv_cache_bytes_per_token_original']:.0f} → {e2e['kv_cache_bytes_per_token_converted']:.0f}",
@@ -214,8 +216,16 @@ def _e2e_lines(report: dict) -> list[str]:
     return lines + _greedy_lines(e2e)
 
 
+def _greedy_cell(e2e: dict) -> str:
+    if e2e.get("greedy_skipped"):
+        return f"not run: {e2e['greedy_skipped']}"
+    return "yes" if e2e["greedy_match"] else "no"
+
+
 def _greedy_lines(e2e: dict) -> list[str]:
     """The greedy continuations, as text when the model has a tokenizer (else token ids)."""
+    if e2e.get("greedy_skipped"):
+        return ["", f"Greedy generation skipped: {e2e['greedy_skipped']}."]
     if e2e.get("greedy_text_original") is None:
         return ["", f"Greedy tokens: original {e2e['greedy_original']}", f"converted {e2e['greedy_converted']}"]
     quote = lambda t: "> " + t.replace("\n", "\n> ")

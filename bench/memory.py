@@ -1,0 +1,317 @@
+#!/usr/bin/env python3
+"""Peak memory of `convert gqa2mla` WITH verification, against the goal and the plan's estimate.
+
+Cases:
+  smollm2   the cached SmolLM2-135M (float32), `--e2e streamed` and `--e2e whole`
+  llama8b   a synthetic checkpoint of Llama-3-8B's shape (random bfloat16 weights, written to
+            disk as sharded safetensors); `--layers N` writes only N decoder layers so it runs
+            in minutes; the full-size (32-layer) figures are estimated from the same formulas
+
+Each run is a fresh subprocess running `python -m convert gqa2mla SRC -o OUT --force -q
+--e2e MODE --tokens T` (default verification dtype float64). Its peak is the child's own
+`VmHWM` (/proc/self/status, read at exit); a sampling thread in the child records the peak
+anonymous and file-backed RSS (RssAnon, RssFile: mmap'd checkpoint pages) every 5 ms. The
+process baseline is a child that only imports torch, transformers and convert.
+
+Goal: peak ≤ 1 GiB + 2 × (largest single layer as stored, embeddings included).
+Estimate: baseline + max(conversion tensors (plan.conversion_memory_bytes), streamed
+verification tensors (plan.streamed_verify_memory_bytes)); goal: within 25% of measured.
+
+    python bench/memory.py [--layers 2] [--tokens 64] [--cases smollm2,llama8b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common
+
+GiB = 2**30
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_hidden_layers": 32,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
+}
+
+CHILD = r"""
+import os, sys, threading, time, json
+peak = {"anon": 0, "file": 0}
+def status():
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+def sample():
+    while True:
+        s = status()
+        peak["anon"] = max(peak["anon"], s.get("RssAnon", 0))
+        peak["file"] = max(peak["file"], s.get("RssFile", 0))
+        time.sleep(0.005)
+threading.Thread(target=sample, daemon=True).start()
+def report(code):
+    s = status()
+    with open(os.environ["MEMORY_OUT"], "w") as f:
+        json.dump({"vmhwm": s["VmHWM"], "peak_anon": peak["anon"], "peak_file": peak["file"], "exit": code}, f)
+code = 0
+try:
+    import torch, transformers, convert
+    if sys.argv[1:]:
+        from convert.cli import main
+        main(sys.argv[1:], prog_name="convert", standalone_mode=True)
+except SystemExit as e:
+    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+report(code)
+sys.exit(code)
+"""
+
+
+def run_child(args: list[str]) -> dict:
+    """Peak memory of one fresh `python -m convert ARGS` process (no args: imports only)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    env = {**os.environ, "MEMORY_OUT": out, "PYTHONPATH": str(_common.REPO)}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", CHILD, *args], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    result = json.loads(Path(out).read_text())
+    os.unlink(out)
+    result["wall_s"] = wall
+    if proc.returncode not in (0, 1):
+        result["stderr"] = proc.stderr[-2000:]
+    return result
+
+
+def write_synthetic(directory: Path, layers: int, seed: int = 0) -> dict:
+    """Llama-3-8B's shape with `layers` decoder layers, random bfloat16, one shard per layer."""
+    import torch
+    from safetensors.torch import save_file
+
+    from convert.hf import meta_state_dict
+
+    config = {**LLAMA3_8B, "num_hidden_layers": layers}
+    directory.mkdir(parents=True, exist_ok=True)
+    state = meta_state_dict(config)
+    groups: dict[str, list[str]] = {}
+    for name in state:
+        key = name.split(".layers.")[1].split(".")[0] if ".layers." in name else name
+        groups.setdefault(key, []).append(name)
+    generator = torch.Generator().manual_seed(seed)
+    weight_map, files = {}, sorted(groups)
+    for i, key in enumerate(files):
+        filename = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        tensors = {}
+        for name in groups[key]:
+            shape = state[name].shape
+            if name.endswith("norm.weight"):
+                tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                tensors[name] = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+            weight_map[name] = filename
+        save_file(tensors, str(directory / filename), metadata={"format": "pt"})
+        del tensors
+    total = sum(state[n].numel() * 2 for n in state)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return config
+
+
+def sizes(config: dict) -> dict:
+    """Bytes as stored of the largest decoder layer, the embedding, the largest layer overall."""
+
+    from convert.hf import meta_state_dict
+    from convert.plan import itemsize
+
+    state = meta_state_dict(config)
+    size = lambda names: sum(state[n].numel() * itemsize(state[n].dtype) for n in names)
+    decoder = max(size([n for n in state if f".layers.{i}." in n]) for i in range(config["num_hidden_layers"]))
+    embed = max(size([n]) for n in state if "embed" in n or "lm_head" in n)
+    from convert.plan import plan_for_config
+
+    plan = plan_for_config(config)  # the exact default conversion: its layers can be larger than the source's
+    grown = max(layer.params - plan._layer_source_params(i) for i, layer in enumerate(plan.layers))
+    converted = decoder + max(0, grown) * itemsize(plan.dtype)
+    largest = max(decoder, converted, embed)
+    return {"decoder_layer": decoder, "converted_decoder_layer": converted, "embedding": embed, "largest": largest}
+
+
+def estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "float64") -> dict:
+    """The plan's peak estimate: baseline + max(conversion, streamed verification), bytes."""
+    from convert.options import TORCH_DTYPES
+    from convert.plan import plan_for_config, streamed_verify_memory_bytes
+
+    plan = plan_for_config(config)
+    s = sizes(config)
+    attention = max(layer.params for layer in plan.layers) * _itemsize(plan.dtype)
+    layer_bytes = max(s["converted_decoder_layer"], s["decoder_layer"] + attention)
+    layer_tensors = [(shape, dtype) for name, (shape, dtype) in plan.output_tensors().items() if ".layers." in name]
+    tensor_bytes = max(math.prod(shape) * _itemsize(dtype) for shape, dtype in layer_tensors)  # decoder tensors
+    verify = streamed_verify_memory_bytes(
+        layer_bytes,
+        tensor_bytes,
+        plan.dtype,
+        TORCH_DTYPES[run_dtype],
+        tokens=tokens,
+        hidden=config["hidden_size"],
+        intermediate=config["intermediate_size"],
+        n_heads=config["num_attention_heads"],
+    )
+    conversion = plan.conversion_memory_bytes()
+    return {"conversion_bytes": conversion, "verify_bytes": verify, "peak_bytes": baseline + max(conversion, verify)}
+
+
+def whole_estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "float64") -> int:
+    """The estimate `--e2e auto` compares with the memory available: both whole models and their logits."""
+    from convert.options import TORCH_DTYPES
+    from convert.plan import plan_for_config, whole_model_activation_bytes, whole_model_memory_bytes
+
+    plan = plan_for_config(config)
+    models = whole_model_memory_bytes(plan.checkpoint_bytes, plan.dtype, TORCH_DTYPES[run_dtype])
+    return baseline + models + whole_model_activation_bytes(tokens, config["vocab_size"])
+
+
+def _itemsize(dtype) -> int:
+    from convert.plan import itemsize
+
+    return itemsize(dtype)
+
+
+def case(name: str, src: Path, config: dict, tokens: int, modes: list[str], baseline: int, text: Path | None) -> dict:
+    """modes: `--e2e` modes, optionally `:dtype` (the verification dtype; default float64)."""
+    s = sizes(config)
+    goal = GiB + 2 * s["largest"]
+    rows = {}
+    for run in modes:
+        mode, _, dtype = run.partition(":")
+        dtype = dtype or "float64"
+        est = estimate(config, baseline, tokens, dtype)
+        with tempfile.TemporaryDirectory(dir=src.parent) as tmp:
+            args = ["gqa2mla", str(src), "-o", str(Path(tmp) / "out"), "--force", "-q"]
+            args += ["--e2e", mode, "--tokens", str(tokens), "--dtype", dtype] + (["--text", str(text)] if text else [])
+            result = run_child(args)
+            report = Path(tmp) / "out" / "verification.json"
+            if report.is_file():
+                data = json.loads(report.read_text())
+                result["verdict"] = data["verdict"]
+                result["timings"] = data["timings"]
+                result["greedy_skipped"] = (data["end_to_end"] or {}).get("greedy_skipped")
+                result["failures"] = data["failures"]
+                e2e = data["end_to_end"] or {}
+                result["figures"] = {
+                    k: e2e.get(k) for k in ("logits_rel_error", "kl_mean", "top1_agreement", "ppl_ratio")
+                }
+                result["max_layer_rel_error"] = max((layer["rel_error"] for layer in data["layers"]), default=None)
+        result["goal_bytes"] = goal
+        result["meets_goal"] = result["vmhwm"] <= goal
+        result["estimate"] = est
+        result["estimate_bytes"] = (
+            est["peak_bytes"] if mode == "streamed" else whole_estimate(config, baseline, tokens, dtype)
+        )
+        result["estimate_error"] = result["estimate_bytes"] / result["vmhwm"] - 1
+        rows[run] = result
+        print(
+            f"{name} --e2e {mode} --dtype {dtype}: peak {result['vmhwm'] / GiB:.2f} GiB (anon {result['peak_anon'] / GiB:.2f}, "
+            f"file {result['peak_file'] / GiB:.2f}), goal {goal / GiB:.2f} GiB, estimate {result['estimate_bytes'] / GiB:.2f} "
+            f"GiB ({result['estimate_error']:+.0%}), {result['wall_s']:.0f} s, exit {result['exit']}",
+            flush=True,
+        )
+    return {"layers": config["num_hidden_layers"], "tokens": tokens, "sizes": s, "runs": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the synthetic 8B-shape checkpoint")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--cases", default="smollm2,llama8b")
+    parser.add_argument("--workdir", type=Path, default=None, help="where the synthetic checkpoint is written")
+    args = parser.parse_args()
+    cases = args.cases.split(",")
+    result = _common.header("memory", "cpu", {"loadavg": _common.load_average()})
+    baseline = run_child([])["vmhwm"]
+    result["baseline_bytes"] = baseline
+    print(f"baseline (imports only): {baseline / GiB:.2f} GiB", flush=True)
+    if "smollm2" in cases:
+        src = _common.smollm2_dir()
+        config = json.loads((src / "config.json").read_text())
+        text = _common.austen_file("emma")
+        with tempfile.TemporaryDirectory() as tmp:
+            link = Path(tmp) / "smollm2"
+            link.symlink_to(src)
+            result["smollm2"] = case("smollm2", link, config, 256, ["streamed", "whole"], baseline, text)
+    if "llama8b" in cases:
+        with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+            src = Path(tmp) / "llama3-8b-shape"
+            t0 = time.perf_counter()
+            config = write_synthetic(src, args.layers)
+            print(f"wrote the synthetic checkpoint ({args.layers} layers) in {time.perf_counter() - t0:.0f} s")
+            result["llama8b"] = case(
+                f"llama8b[{args.layers} layers]",
+                src,
+                config,
+                args.tokens,
+                ["streamed", "streamed:float32"],
+                baseline,
+                None,
+            )
+        full = {**LLAMA3_8B}
+        s = sizes(full)
+        result["llama8b_full_estimate"] = {
+            "sizes": s,
+            "goal_bytes": GiB + 2 * s["largest"],
+            "estimate": estimate(full, baseline, args.tokens),
+            "checkpoint_bytes": sum(
+                v.numel() * 2 for v in __import__("convert.hf", fromlist=["x"]).meta_state_dict(full).values()
+            ),
+        }
+        est = result["llama8b_full_estimate"]
+        print(
+            f"llama8b full size (estimate): peak {est['estimate']['peak_bytes'] / GiB:.2f} GiB, "
+            f"goal {est['goal_bytes'] / GiB:.2f} GiB, checkpoint {est['checkpoint_bytes'] / GiB:.1f} GiB"
+        )
+    path = _common.RESULTS / "memory.json"
+    if path.is_file():  # the cases not run this time keep their last results
+        previous = json.loads(path.read_text())
+        result = {
+            **{k: v for k, v in previous.items() if k in ("smollm2", "llama8b", "llama8b_full_estimate")},
+            **result,
+        }
+        result["runs_of"] = {**previous.get("runs_of", {}), **{c: result["command"] for c in cases}}
+    _common.write_json(path, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""End-to-end verification streamed layer by layer: the figures of `compare_models` without
+either whole model in memory.
+
+Both models' hidden states of the verification tokens are carried from decoder layer to
+decoder layer, each model in its own stream; one original and one converted decoder layer
+are in memory at a time, read from the checkpoints. The final norm and the logits follow,
+in vocabulary chunks of the lm_head read row block by row block: logsumexp, KL, top-1 and
+next-token NLL are accumulated per chunk in one pass, so no (tokens × vocab) tensor exists. The
+logits of a chunk are computed in the run's dtype (as the whole model does) and compared
+in float64.
+"""
+
+import torch
+
+from convert.arch import ARCHS
+from convert.io import Checkpoint
+from convert.mla.attention import build_mla_attention
+from convert.stream import LayerStream, embedding_rows, materialize
+
+VOCAB_CHUNK = 8192  # lm_head rows per chunk: chunk logits (L, C) stay small
+
+
+class _Stream:
+    """The pieces both streams share: classes, configs, rotary embedding, masks."""
+
+    def __init__(self, original: Checkpoint, converted: Checkpoint, config: dict, device, dtype):
+        self.original, self.converted, self.config = original, converted, config
+        self.mla, self.device, self.dtype = config["mla"], device, dtype
+        self.layers = LayerStream(original, config, device, dtype)
+        self.arch = ARCHS[self.mla["source_architecture"]]
+
+    def original_layer(self, layer: int) -> torch.nn.Module:
+        build = lambda: self.layers.decoder_cls(self.layers.ref_config, layer)
+        return materialize(build, self.original, f"model.layers.{layer}.", self.device, self.dtype)
+
+    def converted_layer(self, layer: int) -> torch.nn.Module:
+        """The family's decoder layer with its attention swapped for MLAAttention, as
+        `load_mla_model` builds it (eager config), with the converted tensors."""
+
+        def build():
+            decoder = self.layers.decoder_cls(self.layers.mask_config, layer)
+            window = getattr(decoder.self_attn, "sliding_window", None)
+            decoder.self_attn = build_mla_attention(self.mla, layer, rotary=self.layers.rotary, sliding_window=window)
+            return decoder
+
+        return materialize(build, self.converted, f"model.layers.{layer}.", self.device, self.dtype)
+
+    def embed(self, checkpoint: Checkpoint, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of `ids` (1, L) -> (1, L, D), read row by row (never the whole table)."""
+        return embedding_rows(checkpoint, self.arch.embed, ids).to(device=self.device, dtype=self.dtype)
+
+    def head_name(self, checkpoint: Checkpoint) -> str:
+        return "lm_head.weight" if "lm_head.weight" in checkpoint else self.arch.embed
+
+    def norm(self, checkpoint: Checkpoint, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm (the family's own class, as its decoder layers use) applied to hidden."""
+        with torch.device("meta"):
+            cls = type(self.layers.decoder_cls(self.layers.mask_config, 0).input_layernorm)
+        build = lambda: cls(self.config["hidden_size"], eps=self.config.get("rms_norm_eps", 1e-6))
+        return materialize(build, checkpoint, "model.norm.", self.device, self.dtype)(hidden)
+
+
+def hidden_states(stream: _Stream, windows: list[torch.Tensor], progress=iter):
+    """Final-normed hidden states of both models for each window: ([ref (1, L, D)], [got (1, L, D)])."""
+    ref = [stream.embed(stream.original, w) for w in windows]
+    got = [stream.embed(stream.converted, w) for w in windows]
+    inputs = [None] * len(windows)
+    with torch.no_grad():
+        for layer in progress(range(stream.mla["n_layers"])):
+            inputs = [stream.layers.inputs(layer, h) for h in ref]  # (positions, rotary, mask)
+            decoder = stream.original_layer(layer)
+            ref = [_run(decoder, h, i) for h, i in zip(ref, inputs)]
+            del decoder
+            decoder = stream.converted_layer(layer)
+            got = [_run(decoder, h, i) for h, i in zip(got, inputs)]
+            del decoder
+        ref = [stream.norm(stream.original, h) for h in ref]
+        got = [stream.norm(stream.converted, h) for h in got]
+    return ref, got
+
+
+def _run(decoder, hidden, inputs):
+    positions, rotary, mask = inputs
+    out = decoder(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _chunks(stream: _Stream, checkpoint: Checkpoint):
+    """(start, lm_head rows start:start+C (C, D) in the run's dtype) over the vocabulary."""
+    name = stream.head_name(checkpoint)
+    vocab = checkpoint.shape(name)[0]
+    for start in range(0, vocab, VOCAB_CHUNK):
+        rows = checkpoint.read_rows(name, start, min(start + VOCAB_CHUNK, vocab))
+        yield start, rows.to(device=stream.device, dtype=stream.dtype)
+
+
+def _logits_chunks(stream, ref_h, got_h):
+    """Yield (start, ref logits (L, C) float64, converted logits (L, C) float64) per vocabulary chunk."""
+    for (start, w_ref), (_, w_got) in zip(_chunks(stream, stream.original), _chunks(stream, stream.converted)):
+        ref = torch.nn.functional.linear(ref_h[0], w_ref).double()  # (L, C), run dtype -> float64
+        got = torch.nn.functional.linear(got_h[0], w_got).double()
+        yield start, ref, got
+
+
+def _window_figures(stream, ref_h, got_h, ids: torch.Tensor) -> dict:
+    """Sums and maxima of one window (ids (1, L)), in one pass over the vocabulary.
+
+    Per row, with m the running maximum of the original's logits r (converted: g):
+    s = Σ exp(r − m), t = Σ exp(r − m)(r − g), rescaled when m grows; then
+    KL(p_r ‖ p_g) = Σ p_r (log p_r − log p_g) = t / s − lse(r) + lse(g).
+    """
+    length, device = ids.shape[-1], stream.device
+    neg_inf = torch.full((length,), float("-inf"), dtype=torch.float64, device=device)
+    lse_got, m = neg_inf.clone(), neg_inf.clone()
+    s = torch.zeros(length, dtype=torch.float64, device=device)
+    t = s.clone()
+    best_ref, best_got = neg_inf.clone(), neg_inf.clone()
+    arg_ref = torch.zeros(length, dtype=torch.long, device=device)
+    arg_got = arg_ref.clone()
+    target = ids[0, 1:].to(device)  # (L-1,) next tokens
+    tgt_ref = torch.zeros(length - 1, dtype=torch.float64, device=device)
+    tgt_got = tgt_ref.clone()
+    sq_diff = sq_ref = max_abs = 0.0
+    for start, ref, got in _logits_chunks(stream, ref_h, got_h):  # (L, C) each, float64
+        diff = got - ref
+        sq_diff, sq_ref = sq_diff + float(diff.square().sum()), sq_ref + float(ref.square().sum())
+        max_abs = max(max_abs, float(diff.abs().max()))
+        lse_got = torch.logaddexp(lse_got, torch.logsumexp(got, -1))
+        m_new = torch.maximum(m, ref.max(-1).values)
+        scale = torch.exp(m - m_new)  # (L,) 0 on the first chunk
+        weights = torch.exp(ref - m_new[:, None])  # (L, C)
+        s = s * scale + weights.sum(-1)
+        t = t * scale - (weights * diff).sum(-1)
+        m = m_new
+        for logits, best, arg in ((ref, best_ref, arg_ref), (got, best_got, arg_got)):
+            value, index = logits.max(-1)
+            better = value > best  # strictly: the first maximum wins, as argmax over the whole row
+            best[better], arg[better] = value[better], index[better] + start
+        inside = (target >= start) & (target < start + ref.shape[-1])
+        local = (target - start).clamp(0, ref.shape[-1] - 1)[:, None]
+        tgt_ref += torch.where(inside, ref[:-1].gather(-1, local)[:, 0], 0.0)
+        tgt_got += torch.where(inside, got[:-1].gather(-1, local)[:, 0], 0.0)
+    lse_ref = m + s.log()
+    kl = t / s - lse_ref + lse_got  # (L,)
+    return {
+        "sq_diff": sq_diff,
+        "sq_ref": sq_ref,
+        "max_abs": max_abs,
+        "kl_sum": float(kl.sum()),
+        "kl_max": float(kl.max()),
+        "agree": float((arg_ref == arg_got).sum()),
+        "nll_ref": lse_ref[:-1] - tgt_ref,  # (L-1,)
+        "nll_got": lse_got[:-1] - tgt_got,
+    }
+
+
+def compare_streamed(
+    original: Checkpoint,
+    converted: Checkpoint,
+    config: dict,
+    ids: torch.Tensor,
+    device,
+    dtype,
+    window=1024,
+    progress=iter,
+) -> dict:
+    """`compare_models`' figures (same keys, same windows) with the models streamed layer by layer."""
+    stream = _Stream(original, converted, config, device, dtype)
+    windows = [ids[:, start : start + window] for start in range(0, ids.shape[-1], window)]  # (1, ≤window) each
+    ref_h, got_h = hidden_states(stream, windows, progress)
+    total = {"sq_diff": 0.0, "sq_ref": 0.0, "max_abs": 0.0, "kl_sum": 0.0, "kl_max": 0.0, "agree": 0.0}
+    nll_ref, nll_got = [], []
+    with torch.no_grad():
+        for w, ref, got in zip(windows, ref_h, got_h):
+            fig = _window_figures(stream, ref, got, w)
+            for key in ("sq_diff", "sq_ref", "kl_sum", "agree"):
+                total[key] += fig[key]
+            total["max_abs"], total["kl_max"] = (
+                max(total["max_abs"], fig["max_abs"]),
+                max(total["kl_max"], fig["kl_max"]),
+            )
+            nll_ref.append(fig["nll_ref"])
+            nll_got.append(fig["nll_got"])
+    n = ids.shape[-1]
+    ppl_ref, ppl_got = float(torch.cat(nll_ref).mean().exp()), float(torch.cat(nll_got).mean().exp())
+    return {
+        "tokens": n,
+        "window": window,
+        "logits_max_abs_diff": total["max_abs"],
+        "logits_rel_error": (total["sq_diff"] / total["sq_ref"]) ** 0.5,
+        "kl_mean": total["kl_sum"] / n,
+        "kl_max": total["kl_max"],
+        "top1_agreement": total["agree"] / n,
+        "ppl_original": ppl_ref,
+        "ppl_converted": ppl_got,
+        "ppl_ratio": ppl_got / ppl_ref,
+    }
+
+
+def params(checkpoint: Checkpoint) -> int:
+    """Parameters of the checkpoint's model (a tied lm_head is not stored, so not counted)."""
+    return sum(_numel(checkpoint.shape(name)) for name in checkpoint.keys())
+
+
+def _numel(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def cache_bytes_per_token(config: dict, ckpt_dtype: torch.dtype) -> tuple[float, float]:
+    """(original, converted) KV-cache bytes per token, in `ckpt_dtype`, from the configs: what
+    `convert.mla.model.cache_bytes_per_token` measures on the whole models (tests check so)."""
+    mla = config["mla"]
+    size = torch.empty((), dtype=ckpt_dtype).element_size()
+    original = mla["n_layers"] * 2 * mla["n_kv_heads"] * mla["head_dim"] * size
+    converted = 0
+    positions = mla["layout"] == "factored" and mla["rope"] is not None
+    for layer in mla["layers"]:
+        ranks = layer["rank_kv"] if mla["latent"] == "joint" else layer["rank_k"] + layer["rank_v"]
+        converted += ranks * size + (8 if positions else 0)
+    return float(original), float(converted)
