@@ -101,3 +101,22 @@ def test_gemma_2_9b_plan():
     assert plan.cache_bytes_per_token() == (42 * 2 * exact * 2,) * 2  # bfloat16, as GQA
     assert plan.spec.softcap == 50.0 and plan.spec.softmax_scale == 256**-0.5
     assert plan.layers[0].shapes["q_absorbed.weight"] == (16 * exact, 3584)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "olmo2", "qwen3"])
+def test_streamed_verification_equals_whole(tmp_path, family):
+    """The layer-streamed end-to-end check does what each family's model forward does around its
+    layers (Gemma: embeddings × √D and the final logit soft-cap; OLMo 2: post-norm)."""
+    from convert.verify import verify_paths
+
+    (gemma2() if family == "gemma2" else hf_model(family)).save_pretrained(tmp_path / "src", safe_serialization=True)
+    convert.gqa2mla(tmp_path / "src", tmp_path / "mla", verify=False, progress=False)
+    figures = {
+        mode: verify_paths(tmp_path / "src", tmp_path / "mla", e2e=mode, progress=False)["end_to_end"]
+        for mode in ("whole", "streamed")
+    }
+    whole, streamed = figures["whole"], figures["streamed"]
+    assert streamed["mode"] == "streamed" and whole["mode"] == "whole"
+    for key in ("ppl_original", "ppl_converted", "logits_rel_error"):
+        assert streamed[key] == pytest.approx(whole[key], rel=1e-6), key
+    assert streamed["top1_agreement"] == whole["top1_agreement"]

@@ -28,6 +28,9 @@ class _Stream:
         self.mla, self.device, self.dtype = config["mla"], device, dtype
         self.layers = LayerStream(original, config, device, dtype)
         self.arch = ARCHS[self.mla["source_architecture"]]
+        # What Gemma's model forward adds around its layers: embeddings × √D, logits soft-capped.
+        self.embed_scale = config["hidden_size"] ** 0.5 if self.arch.gemma_scores else None
+        self.final_softcap = config.get("final_logit_softcapping") if self.arch.gemma_scores else None
 
     def original_layer(self, layer: int) -> torch.nn.Module:
         build = lambda: self.layers.decoder_cls(self.layers.ref_config, layer)
@@ -47,7 +50,16 @@ class _Stream:
 
     def embed(self, checkpoint: Checkpoint, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows of `ids` (1, L) -> (1, L, D), read row by row (never the whole table)."""
-        return embedding_rows(checkpoint, self.arch.embed, ids).to(device=self.device, dtype=self.dtype)
+        rows = embedding_rows(checkpoint, self.arch.embed, ids).to(device=self.device, dtype=self.dtype)
+        if self.embed_scale is not None:  # as Gemma2Model does, the factor rounded to the run dtype
+            rows = rows * torch.tensor(self.embed_scale, dtype=self.dtype)
+        return rows
+
+    def cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """The final logit soft-cap of the family's causal LM (Gemma 2), or the logits unchanged."""
+        if self.final_softcap is None:
+            return logits
+        return torch.tanh(logits / self.final_softcap) * self.final_softcap
 
     def head_name(self, checkpoint: Checkpoint) -> str:
         return "lm_head.weight" if "lm_head.weight" in checkpoint else self.arch.embed
@@ -55,7 +67,7 @@ class _Stream:
     def norm(self, checkpoint: Checkpoint, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm (the family's own class, as its decoder layers use) applied to hidden."""
         with torch.device("meta"):
-            cls = type(self.layers.decoder_cls(self.layers.mask_config, 0).input_layernorm)
+            cls = type(self.layers.decoder_cls(self.layers.mask_config, 0).post_attention_layernorm)
         build = lambda: cls(self.config["hidden_size"], eps=self.config.get("rms_norm_eps", 1e-6))
         return materialize(build, checkpoint, "model.norm.", self.device, self.dtype)(hidden)
 
@@ -97,8 +109,8 @@ def _chunks(stream: _Stream, checkpoint: Checkpoint):
 def _logits_chunks(stream, ref_h, got_h):
     """Yield (start, ref logits (L, C) float64, converted logits (L, C) float64) per vocabulary chunk."""
     for (start, w_ref), (_, w_got) in zip(_chunks(stream, stream.original), _chunks(stream, stream.converted)):
-        ref = torch.nn.functional.linear(ref_h[0], w_ref).double()  # (L, C), run dtype -> float64
-        got = torch.nn.functional.linear(got_h[0], w_got).double()
+        ref = stream.cap(torch.nn.functional.linear(ref_h[0], w_ref)).double()  # (L, C), run dtype -> float64
+        got = stream.cap(torch.nn.functional.linear(got_h[0], w_got)).double()
         yield start, ref, got
 
 
