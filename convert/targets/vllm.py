@@ -123,9 +123,17 @@ def group_rotations(w: LayerWeights, spec: AttentionSpec, moment: torch.Tensor |
 
 
 def attention_tensors(
-    w: LayerWeights, spec: AttentionSpec, rotations: torch.Tensor, nope: int, q_scale: float, s: float
+    w: LayerWeights,
+    spec: AttentionSpec,
+    rotations: torch.Tensor,
+    nope: int,
+    q_scale: float,
+    s: float,
+    secondary: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """One layer's DeepseekV3Attention tensors (float64), by name relative to `self_attn.`."""
+    """One layer's DeepseekV3Attention tensors (float64), by name relative to `self_attn.`.
+
+    secondary (d/2,): the weight of frequency j's position-free (NoPE) terms (default 1)."""
     G, d, H = spec.n_kv_heads, spec.head_dim, spec.n_heads
     first, second = rotate_half_pairs(d)
     hidden = w.q.shape[1]
@@ -144,7 +152,11 @@ def attention_tensors(
     used = (G - 1) * d  # NoPE dims that carry something
     k_nope = torch.cat([k_first[1:], k_second[1:]], dim=1).reshape(used, hidden)  # (used, D)
     q_nope = torch.zeros(H, nope, hidden, dtype=torch.float64)
-    q_nope[:, :used] = torch.cat([q_first[1:], q_second[1:]], dim=2).permute(1, 0, 2, 3).reshape(H, used, hidden)
+    scale = torch.ones(d // 2, dtype=torch.float64) if secondary is None else secondary.double()
+    scale = scale[None, None, :, None]  # (1, 1, d/2, 1)
+    q_nope[:, :used] = (
+        torch.cat([scale * q_first[1:], scale * q_second[1:]], dim=2).permute(1, 0, 2, 3).reshape(H, used, hidden)
+    )
 
     latent = torch.zeros(KV_LORA_RANK, hidden, dtype=torch.float64)
     latent[:used] = k_nope
@@ -226,7 +238,22 @@ def resolve_vllm_spec(state_dict: dict, config) -> tuple[dict, StateDictSource, 
     return config, source, spec
 
 
-def to_vllm_deepseek(state_dict: dict[str, torch.Tensor], config, stats=None, dtype=None) -> tuple[dict, dict]:
+def secondary_weights(head_dim: int, theta: float, mode: str, span: int = 1024) -> torch.Tensor | None:
+    """Weight of each frequency's NoPE terms (d/2,): nope 1 (rotation dropped: distance 0),
+    drop 0, expected E[cos(θ_j Δ)] over Δ uniform in [0, span) (the least-squares scalar
+    for q·R(θΔ)k ≈ α q·k when the sine part averages out)."""
+    if mode == "nope":
+        return None
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (d/2,)
+    if mode == "drop":
+        return torch.zeros_like(inv_freq)
+    delta = torch.arange(span, dtype=torch.float64)
+    return torch.cos(inv_freq[:, None] * delta[None, :]).mean(1)
+
+
+def to_vllm_deepseek(
+    state_dict: dict[str, torch.Tensor], config, stats=None, dtype=None, secondary: str = "nope", span: int = 1024
+) -> tuple[dict, dict]:
     """Export a GQA model (Llama, Mistral) as a DeepseekV3ForCausalLM that vLLM serves with MLA.
 
     state_dict: the source's tensors (HF names). config: its config.json dict or a
@@ -284,6 +311,7 @@ def to_vllm_deepseek(state_dict: dict[str, torch.Tensor], config, stats=None, dt
         .to(dtype)
         .clone()
     )
+    weights_nope = secondary_weights(spec.head_dim, float(hf_src.rope_parameters["rope_theta"]), secondary, span)
     retained = []
     for layer in range(spec.n_layers):
         weights = read_layer(source, spec, layer)
@@ -291,7 +319,7 @@ def to_vllm_deepseek(state_dict: dict[str, torch.Tensor], config, stats=None, dt
         rotations = group_rotations(weights, spec, moment)
         retained.append(rotary_energy_kept(weights, spec, rotations, moment))
         prefix = spec.prefix(layer)
-        for name, tensor in attention_tensors(weights, spec, rotations, geo["nope"], q_scale, s).items():
+        for name, tensor in attention_tensors(weights, spec, rotations, geo["nope"], q_scale, s, weights_nope).items():
             out[prefix + name] = tensor.to(dtype).contiguous()
 
     result["convert_export"] = {
