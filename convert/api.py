@@ -295,6 +295,8 @@ def gqa2mla(src, output=None, **options) -> ConversionResult:
     with open_checkpoint(src) as source, output_lock(output, [src, opts.text, calib], opts.force):
         if opts.target == "transformers":
             return _export_transformers(src, source, output, opts, start)
+        if opts.target == "vllm":
+            return _export_vllm(src, source, output, opts, start)
         plan, stats, opts = _plan(source, source.config, opts, verifying=opts.verify)
         timings["plan_s"] = time.perf_counter() - start
         metadata = {"format": "pt", "mla_format_version": str(FORMAT_VERSION)}
@@ -343,9 +345,64 @@ def _export_transformers(src: Path, source: Checkpoint, output: Path, opts: Conv
     in memory from the whole source, written and verified like a conversion."""
     from convert.targets import to_deepseek_v3
 
-    timings: dict[str, float] = {}
     spec = resolve_spec(source, source.config, opts)  # the same checks and refusals as the mla target
     tensors, config = to_deepseek_v3({name: source.get(name) for name in source.keys()}, source.config or {})
+    notes = [
+        "DeepseekV3ForCausalLM for stock transformers: exact, but not for vLLM (it ignores the longrope "
+        "frequencies and the attention biases this export relies on); transformers' DeepseekV3 caches per-head "
+        "keys and values, not the latent"
+    ]
+    return _write_export(src, source, output, opts, start, tensors, config, notes, spec)
+
+
+def _export_vllm(src: Path, source: Checkpoint, output: Path, opts: ConvertOptions, start: float):
+    """`--target vllm`: a DeepseekV3ForCausalLM in vLLM's MLA shape (convert.targets.vllm); calibrated
+    on --calib when there is more than one key/value head. Every refusal comes before calibration."""
+    from convert.targets.vllm import check_vllm_exportable, resolve_vllm_spec, to_vllm_deepseek
+
+    source_spec = resolve_spec(source, source.config, opts)  # the same checks and refusals as the mla target
+    state_dict = {name: source.get(name) for name in source.keys()}
+    config, src_view, spec = resolve_vllm_spec(state_dict, source.config or {})
+    dtype = src_view.dtype(spec.tensor(0, "q"))
+    check_vllm_exportable(config, spec, src_view, dtype, opts.calib is not None or spec.n_kv_heads == 1)
+    stats = None
+    if opts.calib is not None:
+        ids = opts.calib
+        if not isinstance(ids, torch.Tensor):
+            ids = text_token_ids(Path(opts.calib), source.root, config["vocab_size"], opts.calib_tokens, what="--calib")
+        ids = ids[:, : opts.calib_tokens]
+        bar = _bar("calibrating", "layer", opts.progress)
+        stats = compress.calibrate(source, config, ids, spec.n_layers, progress=bar)
+    tensors, config = to_vllm_deepseek(state_dict, config, stats)
+    info = config["convert_export"]
+    notes = [vllm_note(info)]
+    return _write_export(src, source, output, opts, start, tensors, config, notes, source_spec)
+
+
+def vllm_note(info: dict) -> str:
+    """What the vllm target keeps and loses, in one paragraph (report and result notes)."""
+    G, d = info["n_kv_heads"], info["head_dim"]
+    cache, gqa = info["kv_cache_dims_per_token_per_layer"], info["gqa_cache_dims_per_token_per_layer"]
+    size = "LARGER than" if cache > gqa else "smaller than"
+    text = (
+        f"DeepseekV3ForCausalLM for vLLM's MLA: {cache} cached values per token per layer, {size} the original GQA "
+        f"cache ({gqa} = 2·{G}·{d}); the saving comes at 7B+ (Llama-3-8B: 2048 -> 576). "
+    )
+    if info["exact"]:
+        return text + "Exact: one key/value head fits vLLM's 64 shared rotary dims."
+    kept = [e for e in info["rotary_key_energy_kept"] if e is not None]
+    share = f" (they carry {100 * sum(kept) / len(kept):.1f}% of the query-weighted key energy)" if kept else ""
+    return text + (
+        f"LOSSY: vLLM rotates only 64 key dims shared by all heads, one frequency set; of the {G} key heads' "
+        f"rotary pairs per frequency the principal mixture stays rotary{share}, the other {G - 1} become "
+        "position-free (NoPE) dims in the latent, their rotation dropped. Compare with transformers' "
+        "DeepseekV3 after convert.targets.vllm.match_vllm_norms(model)."
+    )
+
+
+def _write_export(src, source: Checkpoint, output: Path, opts, start, tensors: dict, config: dict, notes, spec):
+    """Write an export target's tensors and config, then verify and commit like a conversion."""
+    timings: dict[str, float] = {}
     layout = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
     timings["plan_s"] = time.perf_counter() - start
     with CheckpointWriter(output, layout, parse_size(opts.max_shard_size), opts.force, {"format": "pt"}) as writer:
@@ -354,11 +411,6 @@ def _export_transformers(src: Path, source: Checkpoint, output: Path, opts: Conv
             writer.write(name, tensor.contiguous())
         final, report = _finish(writer, source, src, config, opts, timings, t0)
     timings["total_s"] = time.perf_counter() - start
-    notes = [
-        "DeepseekV3ForCausalLM for stock transformers: exact, but not for vLLM (it ignores the longrope "
-        "frequencies and the attention biases this export relies on); transformers' DeepseekV3 caches per-head "
-        "keys and values, not the latent"
-    ]
     sizes = _export_sizes(source, spec, opts, tensors, config)
     return ConversionResult(final, config, [], sizes, timings, report, notes)
 

@@ -13,7 +13,7 @@ import torch
 
 from convert.errors import ConvertError
 
-TARGETS = ("mla", "transformers")
+TARGETS = ("mla", "transformers", "vllm")
 LAYOUTS = ("absorbed", "factored")
 LATENTS = ("split", "joint")
 HEAD_MAPS = ("grouped", "tiled")
@@ -128,7 +128,9 @@ class ConvertOptions(VerifyOptions):
         "mla",
         "Where the checkpoint runs. mla: this package's runtime, and transformers' Auto classes after `import "
         "convert` (exact, every layout, compression). transformers: a DeepseekV3ForCausalLM that stock "
-        "transformers loads with no custom code (exact; not for vLLM, which ignores its RoPE factors and biases).",
+        "transformers loads with no custom code (exact; not for vLLM, which ignores its RoPE factors and biases). "
+        "vllm: a DeepseekV3ForCausalLM in the shape vLLM's MLA kernels serve (kv_lora_rank 512 + 64 rotary dims; "
+        "exact for one key/value head, lossy otherwise: needs --calib).",
         choices=TARGETS,
     )
     arch: str | None = option(None, "Architecture when there is no config.json: llama, mistral, qwen2, seed.", kind=str)
@@ -201,14 +203,14 @@ class ConvertOptions(VerifyOptions):
             "--rank": self.rank,
             "--kv-cache-ratio": self.kv_cache_ratio,
             "--method": self.method,
-            "--calib": self.calib,
+            "--calib": self.calib if self.target != "vllm" else None,
             "--allocation": self.allocation,
-            "--max-ppl-ratio": self.max_ppl_ratio,
+            "--max-ppl-ratio": self.max_ppl_ratio if self.target != "vllm" else None,
         }
         given = [flag for flag, value in ignored.items() if value not in (None, False)]
         if given:
             raise ConvertError(
-                f"{', '.join(given)}: only for --target mla (--target {self.target} writes one exact layout); "
+                f"{', '.join(given)}: only for --target mla (--target {self.target} writes one fixed layout); "
                 "drop them or use --target mla"
             )
 

@@ -442,8 +442,9 @@ def to_deepseek_v3(state_dict: dict[str, torch.Tensor], config, dtype=None) -> t
     spec = resolve_attention(config, source.keys(), source.shape)
     if spec.arch.name not in SUPPORTED_ARCHS:
         raise ConvertError(
-            f"architecture {spec.arch.name!r} has no transformers model to export from; the transformers target "
-            f"supports {', '.join(SUPPORTED_ARCHS)}"
+            f"--target transformers: exporting a {spec.arch.name} model to DeepSeek-V3 is not implemented (its "
+            f"attention has more than DeepSeek-V3's: q/k norms, soft-capping, ...); the transformers target supports "
+            f"{', '.join(SUPPORTED_ARCHS)}: use --target mla for {spec.arch.name}"
         )
     hf_src = hf_config(config)  # transformers' own reading of config.json (defaults, legacy rope_scaling)
     dtype = _as_dtype(dtype) or source.dtype(spec.tensor(0, "q"))

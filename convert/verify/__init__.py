@@ -151,8 +151,6 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
     """End-to-end verification of an export target (a DeepseekV3ForCausalLM), loaded by stock
     transformers as a user would. No per-layer part: its layers are not MLAAttention modules.
     Bounds are no finer than float32: DeepseekV3RMSNorm computes in float32."""
-    from convert.hf import load_pretrained
-
     start = time.perf_counter()
     device, dtype = opts.torch_device, opts.torch_dtype
     with open_checkpoint(original) as orig, open_checkpoint(exported) as conv:
@@ -164,12 +162,46 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
             raise ConvertError(
                 f"verifying an export loads both whole models, which do not fit ({why}); use --no-verify"
             )
-        load = lambda device, dtype: load_pretrained(exported, device, dtype)
+        export = (conv.config or {}).get("convert_export", {})
+        load = lambda device, dtype: _load_export(exported, export, device, dtype)
         e2e = end_to_end(orig, load, config, ids, device, dtype, ckpt_dtype, model_tokenizer(orig.root))
         limits = thresholds(coarsest(dtype, ckpt_dtype, torch.float32), opts.max_ppl_ratio)
         inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(opts.text, ids)}
     timings = {"end_to_end_s": time.perf_counter() - start, "total_s": time.perf_counter() - start}
-    return _report(opts, [], e2e, None, limits, inputs, timings)
+    report = _report(opts, [], e2e, None, limits, inputs, timings)
+    if export.get("target") == "vllm":
+        report["target"] = _vllm_section(export, e2e, ckpt_dtype)
+    return report
+
+
+def _load_export(path, export: dict, device, dtype):
+    """An export as stock transformers loads it; a vllm export with vLLM's latent-norm eps."""
+    from convert.hf import load_pretrained
+
+    model = load_pretrained(path, device, dtype)
+    if export.get("target") == "vllm":
+        from convert.targets.vllm import match_vllm_norms
+
+        match_vllm_norms(model)
+    return model
+
+
+def _vllm_section(export: dict, e2e: dict | None, ckpt_dtype: torch.dtype) -> dict:
+    """The vllm target's cache in vLLM against the original's, and where it is lossy."""
+    from convert.api import vllm_note
+
+    size = torch.empty((), dtype=ckpt_dtype).element_size()
+    layers = len(export["rotary_key_energy_kept"])
+    return {
+        "name": "vllm",
+        "exact": export["exact"],
+        "cache_values_per_token_per_layer": export["kv_cache_dims_per_token_per_layer"],
+        "gqa_cache_values_per_token_per_layer": export["gqa_cache_dims_per_token_per_layer"],
+        "cache_bytes_per_token": export["kv_cache_dims_per_token_per_layer"] * size * layers,
+        "gqa_cache_bytes_per_token": export["gqa_cache_dims_per_token_per_layer"] * size * layers,
+        "perplexity_ratio": (e2e or {}).get("ppl_ratio"),
+        "note": vllm_note(export),
+    }
 
 
 def _report(opts: VerifyOptions, layers, e2e, skipped, limits, inputs, timings, extra_checks=()) -> dict:

@@ -141,6 +141,20 @@ def render_markdown(report: dict) -> str:
         "",
     ]
     lossy = report["thresholds"]["max_ppl_ratio"] is not None
+    target = report.get("target")
+    if target:
+        ratio = target["perplexity_ratio"]
+        lines += [
+            f"## Target {target['name']}",
+            "",
+            f"- cache per token: {target['cache_bytes_per_token']:,} bytes "
+            f"({target['cache_values_per_token_per_layer']} values per layer) against the original GQA cache's "
+            f"{target['gqa_cache_bytes_per_token']:,} bytes ({target['gqa_cache_values_per_token_per_layer']} per layer)",
+            f"- perplexity ratio (converted / original) on the verification tokens: "
+            f"{'n/a' if ratio is None else f'{ratio:.4f}'}",
+            f"- {target['note']}",
+            "",
+        ]
     if not report["layers"]:
         lines += [
             "## Per layer",

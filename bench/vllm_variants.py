@@ -1,0 +1,61 @@
+"""Variants of the vllm target's NoPE terms on SmolLM2, transformers DeepseekV3 only (no vLLM).
+
+Calibrates on Pride and Prejudice (4096 tokens), measures perplexity ratio against the
+original on a DEV text (Persuasion, 2048 tokens; not the held-out Emma of
+bench/vllm_target.py), so the choice is not tuned on the evaluation text.
+
+    python bench/vllm_variants.py
+"""
+
+import json
+import sys
+
+import torch
+
+sys.path.insert(0, "bench")
+import _common
+from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+from convert.compress.calibrate import calibrate
+from convert.io import open_checkpoint
+from convert.targets.vllm import match_vllm_norms, to_vllm_deepseek
+from convert.text import text_token_ids
+
+torch.set_num_threads(2)
+src = _common.smollm2_dir()
+config = json.loads((src / "config.json").read_text())
+dev = text_token_ids(_common.austen_file("persuasion"), src, config["vocab_size"], 2048)
+cal = text_token_ids(_common.austen_file("prideprejudice"), src, config["vocab_size"], 4096)
+with open_checkpoint(src) as ck:
+    stats = calibrate(ck, config, cal, config["num_hidden_layers"])
+    sd = {n: ck.get(n) for n in ck.keys()}
+orig = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def ppl(m):
+    with torch.no_grad():
+        lp = torch.log_softmax(m(dev).logits[0, :-1].double(), -1).gather(-1, dev[0, 1:, None])[:, 0]
+    return float((-lp.mean()).exp())
+
+
+p0 = ppl(orig)
+results = []
+variants = [("nope", 0), ("drop", 0), ("expected", 256), ("expected", 1024), ("expected", 64)]
+for mode, span in variants:
+    t, c = to_vllm_deepseek(sd, config, stats, secondary=mode, span=max(span, 1))
+    c.pop("convert_export")
+    m = DeepseekV3ForCausalLM(DeepseekV3Config.from_dict(c)).eval()
+    m.load_state_dict(t, strict=False)
+    match_vllm_norms(m)
+    results.append({"secondary": mode, "span": span, "ppl_ratio_dev": ppl(m) / p0})
+    print(results[-1], flush=True)
+_common.write_json(
+    _common.RESULTS / "vllm_variants_smollm2.json",
+    {
+        "command": _common.command_line(),
+        "dev_book": "persuasion",
+        "calib_book": "prideprejudice",
+        "ppl_original_dev": p0,
+        "variants": results,
+    },
+)

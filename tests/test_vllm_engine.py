@@ -1,0 +1,62 @@
+"""The `vllm` target served by the real engine: vLLM's prompt log-probs equal transformers'
+DeepseekV3ForCausalLM on the same export within 1e-4 (float32), greedy tokens identical.
+
+Runs only when CONVERT_VLLM_PYTHON is the python of a vLLM venv (scripts/vllm_env.sh
+prints it); vLLM lives there, not in the project's environment. ~80 s (engine start).
+"""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import convert
+from convert.targets.vllm import match_vllm_norms
+
+VLLM_PYTHON = os.environ.get("CONVERT_VLLM_PYTHON")
+SERVE = Path(__file__).resolve().parents[1] / "bench" / "vllm_serve.py"
+TOL = 1e-4
+PROMPT, NEW = 8, 32
+
+pytestmark = pytest.mark.skipif(not VLLM_PYTHON, reason="CONVERT_VLLM_PYTHON (a vLLM venv's python) not set")
+
+
+def test_vllm_serves_the_export_as_transformers_computes_it(tmp_path):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=192,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=64,
+        num_hidden_layers=2,
+        vocab_size=256,
+        intermediate_size=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+    )
+    LlamaForCausalLM(config).eval().save_pretrained(tmp_path / "src")
+    calib = torch.randint(0, 256, (1, 128))
+    out = tmp_path / "out"
+    convert.gqa2mla(tmp_path / "src", out, target="vllm", calib=calib, verify=False, progress=False)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (60, 33)]
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"prompts": prompts, "max_model_len": 256, "greedy_new_tokens": NEW}))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    subprocess.run(
+        [VLLM_PYTHON, str(SERVE), str(out), str(job), str(tmp_path / "res.json")], check=True, env=env, timeout=300
+    )
+    served = json.loads((tmp_path / "res.json").read_text())
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    match_vllm_norms(model)
+    for ids, logprobs, greedy in zip(prompts, served["prompt_logprobs"], served["greedy_tokens"]):
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(x).logits[0, :-1].double(), -1).gather(-1, x[0, 1:, None])[:, 0]
+            want = model.generate(x[:, :PROMPT], max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        assert float((logp - torch.tensor(logprobs[1:], dtype=torch.float64)).abs().max()) < TOL
+        assert want[0, PROMPT:].tolist() == greedy
