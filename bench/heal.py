@@ -56,6 +56,19 @@ def main(argv=None):
     heal_ids = torch.tensor(book[: args.heal_tokens])[None]
     eval_ids = torch.tensor(tokenizer(realdata.austen_text(args.eval_book))["input_ids"][: args.eval_tokens])[None]
     rows = []
+    result = _common.header("heal", "cpu", {"quiet": None})
+    result |= {
+        "calib": {"book": args.calib_book, "tokens": calib_ids.shape[-1]},
+        "heal": {
+            "book": args.calib_book,
+            "tokens": heal_ids.shape[-1],
+            "steps": args.steps,
+            "lr": args.lr,
+            "window": args.window,
+        },
+        "eval": {"book": args.eval_book, "tokens": eval_ids.shape[-1], "window": 1024},
+        "rows": rows,
+    }
     for layout in args.layouts.split(","):
         for ratio in (float(r) for r in args.ratios.split(",")):
             t0 = time.perf_counter()
@@ -83,25 +96,12 @@ def main(argv=None):
                 "train_kl_last": report["train_kl_last"],
             }
             rows.append(row)
+            _common.write_json(args.out, result)  # after every row: a long run keeps what it measured
             print(
                 f"{layout:9s} {ratio:4.2f} ×{row['ppl_ratio_before']:.3f} -> ×{row['ppl_ratio_after']:.3f} "
                 f"(KL {row['kl_before']:.4f} -> {row['kl_after']:.4f}; heal {row['heal_s']:.0f} s)",
                 flush=True,
             )
-    result = _common.header("heal", "cpu", {"quiet": None})
-    result |= {
-        "calib": {"book": args.calib_book, "tokens": calib_ids.shape[-1]},
-        "heal": {
-            "book": args.calib_book,
-            "tokens": heal_ids.shape[-1],
-            "steps": args.steps,
-            "lr": args.lr,
-            "window": args.window,
-        },
-        "eval": {"book": args.eval_book, "tokens": eval_ids.shape[-1], "window": 1024},
-        "rows": rows,
-    }
-    _common.write_json(args.out, result)
     print(
         _common.table(
             ["layout", "cache", "before", "after", "KL before", "KL after"],

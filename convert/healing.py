@@ -218,6 +218,12 @@ def _heal_directory(converted: Path, texts, original, eval_texts, output, opts: 
     from convert.io import CheckpointWriter, output_lock, parse_size
     from convert.mla.model import load_mla_model, read_mla_config, weight_files
 
+    exported = converted / "config.json"
+    if exported.is_file() and "convert_export" in json.loads(exported.read_text()):
+        raise ConvertError(
+            f"{converted} is a DeepSeek-V3 export (--target transformers/vllm); healing it is not implemented: "
+            "heal the --target mla conversion instead (convert.heal on convert.to_mla's model)"
+        )
     config = read_mla_config(converted)
     original_path = _original_of(converted, original)
     output = Path(output) if output is not None else default_healed_output(converted)

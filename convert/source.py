@@ -34,6 +34,14 @@ class StateDictSource:
     def get(self, name: str) -> torch.Tensor:
         return self.state_dict[name]
 
+    read = get  # a file-backed checkpoint reads without mapping; in memory both are the tensor
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of a tensor (the embedding / lm_head, read in pieces when streaming)."""
+        return self.state_dict[name][start:stop]
+
+    read_rows = get_rows
+
 
 def expected_shapes(spec: AttentionSpec) -> dict[str, tuple[int, ...]]:
     """Weight shapes per projection, [out, in] as nn.Linear stores them."""
