@@ -419,6 +419,21 @@ def _as_dtype(dtype) -> torch.dtype | None:
     return found
 
 
+def export_spec(state_dict: dict, config, target: str) -> tuple[dict, StateDictSource, AttentionSpec]:
+    """(config dict, in-memory source, attention spec) of a model a DeepSeek-V3 target exports;
+    refuses the families whose attention DeepSeek-V3 cannot hold (`SUPPORTED_ARCHS` only)."""
+    config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    source = StateDictSource(state_dict, config)
+    spec = resolve_attention(config, source.keys(), source.shape)
+    if spec.arch.name not in SUPPORTED_ARCHS:
+        raise ConvertError(
+            f"--target {target}: exporting a {spec.arch.name} model to DeepSeek-V3 is not implemented (its "
+            f"attention has more than DeepSeek-V3's: q/k norms, soft-capping, ...); the {target} target supports "
+            f"{', '.join(SUPPORTED_ARCHS)}: use --target mla for {spec.arch.name}"
+        )
+    return config, source, spec
+
+
 def to_deepseek_v3(state_dict: dict[str, torch.Tensor], config, dtype=None) -> tuple[dict, dict]:
     """Export a GQA model (Llama, Mistral, Qwen2) as an exact DeepseekV3ForCausalLM, in memory.
 
@@ -437,15 +452,7 @@ def to_deepseek_v3(state_dict: dict[str, torch.Tensor], config, dtype=None) -> t
 
     from convert.hf import hf_config
 
-    config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    source = StateDictSource(state_dict, config)
-    spec = resolve_attention(config, source.keys(), source.shape)
-    if spec.arch.name not in SUPPORTED_ARCHS:
-        raise ConvertError(
-            f"--target transformers: exporting a {spec.arch.name} model to DeepSeek-V3 is not implemented (its "
-            f"attention has more than DeepSeek-V3's: q/k norms, soft-capping, ...); the transformers target supports "
-            f"{', '.join(SUPPORTED_ARCHS)}: use --target mla for {spec.arch.name}"
-        )
+    config, source, spec = export_spec(state_dict, config, "transformers")
     hf_src = hf_config(config)  # transformers' own reading of config.json (defaults, legacy rope_scaling)
     dtype = _as_dtype(dtype) or source.dtype(spec.tensor(0, "q"))
     _check_exportable(hf_src, dtype)

@@ -34,16 +34,16 @@ import math
 
 import torch
 
-from convert.arch import AttentionSpec, resolve_attention
+from convert.arch import AttentionSpec
 from convert.errors import ConvertError
 from convert.linalg.heads import group_of_head
 from convert.source import StateDictSource, check_layer, read_layer
 from convert.targets.deepseek import (
-    SUPPORTED_ARCHS,
     _as_dtype,
     _check_exportable,
     _deepseek_config_fields,
     _pass_through_names,
+    export_spec,
 )
 from convert.transform import LayerWeights
 
@@ -227,16 +227,8 @@ def vllm_geometry(spec: AttentionSpec) -> dict:
 
 
 def resolve_vllm_spec(state_dict: dict, config) -> tuple[dict, StateDictSource, AttentionSpec]:
-    config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    source = StateDictSource(state_dict, config)
-    spec = resolve_attention(config, source.keys(), source.shape)
-    if spec.arch.name not in SUPPORTED_ARCHS:
-        raise ConvertError(
-            f"--target vllm: exporting a {spec.arch.name} model to DeepSeek-V3 is not implemented (its "
-            f"attention has more than DeepSeek-V3's: q/k norms, soft-capping, ...); the vllm target supports "
-            f"{', '.join(SUPPORTED_ARCHS)}: use --target mla for {spec.arch.name}"
-        )
-    return config, source, spec
+    """(config dict, in-memory source, attention spec) of a model the vllm target exports."""
+    return export_spec(state_dict, config, "vllm")
 
 
 def secondary_weights(head_dim: int, theta: float, mode: str, span: int = 1024) -> torch.Tensor | None:
