@@ -147,13 +147,19 @@ def _split(ids: torch.Tensor, eval_ids: torch.Tensor | None) -> tuple[torch.Tens
 
 
 def _token_ids(texts, root: Path | None, vocab_size: int, n_tokens: int, what: str) -> torch.Tensor:
-    """Token ids (1, N) from ids, one text path, or several paths (concatenated)."""
+    """Token ids (1, N) from ids, or from text files (concatenated) tokenized with the tokenizer of
+    the model directory `root` (None: a live module, whose tokenizer is not known here)."""
     from convert.text import text_token_ids
 
     if isinstance(texts, torch.Tensor):
         return texts.reshape(1, -1)[:, :n_tokens]
+    if root is None:
+        raise ConvertError(
+            f"heal(model, {what}=...): a live model's tokenizer is not known here; pass token ids (1, N) from "
+            "the model's tokenizer (text files are for a converted directory)"
+        )
     paths = [texts] if isinstance(texts, (str, Path)) else list(texts)
-    parts = [text_token_ids(Path(p), root or Path(p).parent, vocab_size, n_tokens, what) for p in paths]
+    parts = [text_token_ids(Path(p), root, vocab_size, n_tokens, what) for p in paths]
     return torch.cat(parts, dim=-1)[:, :n_tokens]
 
 
@@ -178,9 +184,10 @@ def heal(model_or_path, texts, *, original=None, eval_texts=None, output=None, *
     model_or_path: a converted MLA model (an nn.Module, e.g. from `convert.to_mla`;
     healed in place) or a directory written by `convert gqa2mla` (loaded, healed and
     written to `output`, default `<dir>-healed`, atomically; `force=True` replaces
-    only a directory convert wrote). texts: token ids (1, N), a UTF-8 text file, or
-    several. original: the original model (nn.Module) or its checkpoint path; for a
-    directory, default the one its verification.json names. eval_texts: held-out
+    only a directory convert wrote). texts: token ids (1, N); for a directory also a
+    UTF-8 text file, or several, tokenized with its tokenizer. original: the original
+    model (nn.Module) or its checkpoint path; for a directory, default the one its
+    verification.json names. eval_texts: held-out
     text (default: the last eighth of `texts`). options: the fields of `HealOptions`
     (steps, lr, window, tokens, device, seed, ...). Returns a `HealResult` whose
     `report` has the before/after perplexity and KL on the held-out tokens.

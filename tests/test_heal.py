@@ -143,3 +143,11 @@ def test_heal_finds_the_original_from_the_report(tmp_path):
     assert result.report["inputs"]["original"] == str(src)
     assert result.report["before"]["kl_mean"] < 1e-8  # exact conversion: nothing to heal
     assert (result.output / "healing.json").is_file()
+
+
+def test_heal_of_a_module_wants_token_ids(tmp_path):
+    original = hf_model("llama")
+    text = tmp_path / "t.txt"
+    text.write_text("some text " * 50)
+    with pytest.raises(convert.ConvertError, match="token ids"):
+        convert.heal(convert.to_mla(original), text, original=original, **HEAL)
