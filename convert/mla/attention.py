@@ -8,9 +8,9 @@ Two layouts over the same cached latent (DESIGN §3, §4):
   then apply the source model's RoPE to queries and keys.
 
 With a q/k norm (Qwen3 per head, OLMo 2 over the whole projection) the key latent
-is aligned (each KV head's key, permuted), so the key norm runs on its blocks
-(or on all of them) before RoPE, and the query is
-normalised live and then multiplied by W^UK (absorbed) as DeepSeek does.
+is aligned (each KV head's key, permuted), so the key norm runs on its blocks (or
+on all of them) before RoPE, and the query is normalised live and then multiplied
+by W^UK (absorbed) as DeepSeek does.
 
 The cache (a transformers `Cache`) holds latents only: keys slot (B, 1, S, r_K),
 values slot (B, 1, S, r_V) (joint: values slot empty, the key latent serves
@@ -103,7 +103,7 @@ class MLAAttention(nn.Module):
         self.n_kv_heads = mla["n_kv_heads"]
         if self.qk_norm:
             inner = self.n_heads * self.head_dim
-            whole = self.qk_norm == "whole"
+            whole = self.qk_norm == "whole"  # OLMo 2, whose norm also applies its weight in float32
             self.q_proj = nn.Linear(hidden_size, inner, bias="q_proj" in bias)
             self.q_norm = QKNorm(inner if whole else self.head_dim, mla["norm_eps"], whole)
             self.k_norm = QKNorm(self.n_kv_heads * self.head_dim if whole else self.head_dim, mla["norm_eps"], whole)
