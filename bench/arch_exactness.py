@@ -1,7 +1,7 @@
 """Exactness per architecture: converted vs transformers' own model, logits relative error.
 
 For each family (tiny random models from transformers' own config classes, random attention
-biases and, for Qwen3 and OLMo 2, random q/k norm weights), layout and dtype: the relative Frobenius
+biases and, for the q/k-norm families (Qwen3, OLMo 2, Gemma 3), random q/k norm weights), layout and dtype: the relative Frobenius
 error of the converted model's logits (`convert.to_mla`) against the original's, on 2×64
 random tokens, and whether 24 greedy tokens are identical.
 
@@ -32,6 +32,9 @@ FAMILIES = {
     "qwen3": {"attention_bias": True},
     "olmo2": {"attention_bias": True},
     "gemma2": {},  # eager reference: transformers soft-caps only there (float32 softmax)
+    "gemma3_text": {},  # q/k norms scale by (1 + weight): random offsets below
+    "phi3": {},  # fused qkv_proj, partial RoPE (12 of 16 dims)
+    "mixtral": {},
 }
 
 
@@ -43,7 +46,10 @@ def build(family: str, dtype: torch.dtype):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
-                param.copy_((1 + 0.5 * torch.randn(param.shape, generator=generator, dtype=torch.float64)).to(dtype))
+                offset = 0 if family == "gemma3_text" else 1  # Gemma stores the weight's offset from one
+                param.copy_(
+                    (offset + 0.5 * torch.randn(param.shape, generator=generator, dtype=torch.float64)).to(dtype)
+                )
     return model
 
 

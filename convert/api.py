@@ -18,6 +18,7 @@ from convert.arch import AttentionSpec
 from convert.errors import ConvertError
 from convert.hf import MLA_MODEL_TYPE
 from convert.io import Checkpoint, CheckpointWriter, open_checkpoint, output_lock, parse_size
+from convert.layouts import attention_view
 from convert.options import ConvertOptions
 from convert.plan import ConversionPlan, budget_dims, check_rank, layer_weighting, make_plan, resolve_spec
 from convert.source import StateDictSource, read_layer
@@ -78,6 +79,7 @@ def _calibration(source, spec: AttentionSpec, opts: ConvertOptions):
             f"--calib needs a transformers architecture to run; {spec.arch.name} has none: use --method svd"
         )
     config = source.config or {}
+    source = getattr(source, "module_source", source)  # as the original model's modules read it (Phi-3: unsplit)
     ids = opts.calib
     if not isinstance(ids, torch.Tensor):
         root = getattr(source, "root", Path(opts.calib).parent)
@@ -146,9 +148,13 @@ def _mla_section(plan: ConversionPlan, opts: ConvertOptions, infos: list[LayerIn
 
 
 def _qk_norm_fields(spec: AttentionSpec) -> dict:
-    """`qk_norm` (how q and k are RMS-normalised before RoPE) and its `norm_eps`, and `softcap`
-    (Gemma 2's score soft-capping), each only where the source has it."""
+    """`qk_norm` (how q and k are RMS-normalised before RoPE), its `norm_eps` and
+    `norm_unit_offset` (Gemma 3's norms scale by 1 + weight), `rotary_dim` (partial RoPE: the
+    rotated dims per head), and `softcap` (Gemma 2's score soft-capping), each only where the
+    source has it."""
     fields = {} if spec.qk_norm is None else {"qk_norm": spec.qk_norm, "norm_eps": spec.norm_eps}
+    fields |= {"norm_unit_offset": True} if spec.arch.norm_unit_offset else {}
+    fields |= {"rotary_dim": spec.rotary_dim} if spec.rotary_dim is not None else {}
     return fields | ({} if spec.softcap is None else {"softcap": spec.softcap})
 
 
@@ -216,9 +222,10 @@ def convert_state_dict(state_dict: dict[str, torch.Tensor], config, **options) -
     """
     opts = ConvertOptions.from_kwargs(**{"progress": False, **options})
     config = config.to_dict() if hasattr(config, "to_dict") else (dict(config) if config else None)
-    source = StateDictSource(state_dict, config)
+    source = attention_view(StateDictSource(state_dict, config), config)
     plan, stats, opts = _plan(source, config, opts, verifying=False)
-    result = MLAStateDict((k, v) for k, v in state_dict.items() if k not in plan.replaced)
+    # the view's tensors: a Mixtral's stacked experts as its modules hold them, the rest the caller's own
+    result = MLAStateDict((k, source.get(k)) for k in source.keys() if k not in plan.replaced)
     result.layers = _convert_layers(source, plan, opts, stats, result.__setitem__)
     result.config = output_config(config, plan, opts, result.layers)
     result.plan = plan
@@ -292,7 +299,8 @@ def gqa2mla(src, output=None, **options) -> ConversionResult:
     src = Path(src)
     output = Path(output) if output is not None else default_output(src)
     calib = opts.calib if isinstance(opts.calib, (str, Path)) else None
-    with open_checkpoint(src) as source, output_lock(output, [src, opts.text, calib], opts.force):
+    with open_checkpoint(src) as stored, output_lock(output, [src, opts.text, calib], opts.force):
+        source = attention_view(stored, stored.config)  # Phi-3: q/k/v split out of qkv_proj
         if opts.target == "transformers":
             return _export_transformers(src, source, output, opts, start)
         if opts.target == "vllm":

@@ -14,7 +14,9 @@ Everything else in the package works on plain config dicts and state dicts. Here
   the source architecture with random attention.
 """
 
+import functools
 import importlib
+import inspect
 import re
 
 import torch
@@ -53,6 +55,9 @@ def hf_config(config: dict, dtype: torch.dtype | None = None, attention: str = "
     fields = source_fields(config)
     hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
     hf._attn_implementation = attention
+    # Mixture-of-experts MLPs (Mixtral) as a plain loop over experts: transformers' grouped
+    # matmul refuses float64, which verification runs in.
+    hf._experts_implementation = "eager"
     if dtype is not None:
         hf.dtype = dtype
     return hf
@@ -68,6 +73,19 @@ def hf_classes(arch_name: str) -> tuple[type, type, type]:
         getattr(module, f"{family}DecoderLayer"),
         getattr(module, f"{family}RotaryEmbedding"),
     )
+
+
+def layer_rotary(rotary, config, layer: int):
+    """The model's rotary embedding as layer `layer` uses it: a callable (x, positions) -> (cos, sin).
+
+    Gemma 3 has one RoPE per layer type (a local base for sliding-window layers, a global one
+    for the others): its rotary embedding takes the layer type, bound here; every other family's
+    is returned as is.
+    """
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None or "layer_type" not in inspect.signature(rotary.forward).parameters:
+        return rotary
+    return functools.partial(rotary, layer_type=layer_types[layer])
 
 
 def causal_mask(config, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -95,7 +113,10 @@ def reference_attention(config: dict) -> str:
 
 def load_original(original: Checkpoint, config: dict, device, dtype):
     """The source model as transformers builds it, with the original weights (`reference_attention`)."""
+    from convert.layouts import module_layout
+
     model = build_causal_lm(config, dtype, attention=reference_attention(config))
+    original = module_layout(original, config)  # Mixtral: the stored experts stacked as the modules hold them
     state = {name: original.get(name) for name in original.keys()}
     load_strict(model, state, getattr(original, "path", "the original weights"))
     return model.to(device).eval()

@@ -22,6 +22,7 @@ import torch
 from convert import compress
 from convert.arch import AttentionSpec, resolve_attention
 from convert.errors import ConvertError
+from convert.layouts import attention_view
 from convert.linalg import numerical_rank
 from convert.options import ConvertOptions
 from convert.source import StateDictSource, attention_names, check_layer, norm_shape, read_layer
@@ -56,6 +57,10 @@ def exact_ranks(spec: AttentionSpec, latent: str, layout: str, key_bias: bool) -
     rows = spec.n_kv_heads * spec.head_dim
     if spec.qk_norm is not None:
         rank_k = rows  # the aligned latent: every KV head's key, permuted
+    elif spec.rope and layout == "absorbed" and spec.rotary_dim is not None:  # [per-frequency | NoPE]
+        rank_k = spec.rotary_dim * min(spec.n_kv_heads, in_k) + min(
+            spec.n_kv_heads * (spec.head_dim - spec.rotary_dim), in_k
+        )
     elif spec.rope and layout == "absorbed":
         rank_k = spec.head_dim * min(spec.n_kv_heads, in_k)  # 2 · (d/2 freqs) · min(G, X) per freq
     else:
@@ -300,6 +305,18 @@ def resolve_spec(source, config: dict | None, opts: ConvertOptions) -> Attention
         )
     if spec.qk_norm is not None:
         _check_qk_norm_options(spec, opts)
+    if spec.arch.fused_qkv is not None and opts.target != "mla":
+        raise ConvertError(
+            f"--target {opts.target} writes DeepSeek-V3's MLP (gate_proj, up_proj), and {spec.arch.name}'s fused "
+            "gate_up_proj is not split for it; use --target mla (the default), which keeps the MLP as it is"
+        )
+    lossy = opts.rank is not None or (opts.kv_cache_ratio is not None and opts.kv_cache_ratio < 1)
+    if spec.rotary_dim is not None and opts.layout == "absorbed" and lossy:
+        raise ConvertError(
+            f"compressing partial RoPE (the first {spec.rotary_dim} of head_dim={spec.head_dim} dims rotate) in the "
+            "absorbed layout is not implemented: its latent keeps the rotary and NoPE parts exact; use "
+            "--layout factored to compress, or drop --rank/--kv-cache-ratio"
+        )
     return spec
 
 
@@ -408,10 +425,12 @@ def plan_for_config(config: dict, **options) -> ConversionPlan:
     rank, or --rank, with the split latent) can be planned this way. The tensors
     are meta tensors: shapes and dtypes, no data.
     """
+    from convert.arch import find_arch
     from convert.hf import meta_state_dict
 
     opts = ConvertOptions.from_kwargs(**options)
+    find_arch(config.get("model_type"), opts.arch)  # an unsupported family is refused before transformers sees it
     if opts.latent == "joint" or opts.kv_cache_ratio is not None:
         raise ConvertError("planning from a config alone reads no weights: use the split latent and --rank (or none)")
-    source = StateDictSource(meta_state_dict(config), config)
+    source = attention_view(StateDictSource(meta_state_dict(config), config), config)
     return make_plan(source, resolve_spec(source, config, opts), opts)

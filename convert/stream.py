@@ -11,7 +11,7 @@ import functools
 import torch
 
 from convert.arch import ARCHS
-from convert.hf import causal_mask, hf_classes, hf_config, reference_attention
+from convert.hf import causal_mask, hf_classes, hf_config, layer_rotary, reference_attention
 
 
 def load_module(module: torch.nn.Module, checkpoint, prefix: str, device, dtype) -> torch.nn.Module:
@@ -71,7 +71,9 @@ class LayerStream:
     """
 
     def __init__(self, checkpoint, config: dict, device, dtype):
-        self.checkpoint, self.device, self.dtype = checkpoint, device, dtype
+        from convert.layouts import module_layout
+
+        self.checkpoint, self.device, self.dtype = module_layout(checkpoint, config), device, dtype
         self.arch = ARCHS[config.get("mla", {}).get("source_architecture") or config["model_type"]]
         self.mask_config = hf_config(config)
         self.ref_config = hf_config(config, attention=reference_attention(config))
@@ -86,7 +88,12 @@ class LayerStream:
     def inputs(self, layer: int, x: torch.Tensor):
         """(position ids, rotary (cos, sin), additive mask) for hidden states x (B, L, D)."""
         positions = torch.arange(x.shape[1], device=self.device)[None]  # (1, L)
-        return positions, self.rotary(x, positions), causal_mask(self.mask_config, layer, x, positions)
+        rotary = self.layer_rotary(layer)(x, positions)
+        return positions, rotary, causal_mask(self.mask_config, layer, x, positions)
+
+    def layer_rotary(self, layer: int):
+        """The rotary embedding of `layer` (Gemma 3: its layer type's), (x, positions) -> (cos, sin)."""
+        return layer_rotary(self.rotary, self.ref_config, layer)
 
     def run(self, token_ids: torch.Tensor, n_layers: int, progress=iter):
         """Yield (layer, x, decoder, (positions, rotary, mask)) for each layer, x (B, L, D)

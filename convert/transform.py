@@ -28,6 +28,7 @@ from convert.linalg import (
     aligned_rope_factor,
     expand_groups,
     joint_factor,
+    partial_rope_factor,
     real_factor,
     rope_factor,
 )
@@ -96,6 +97,8 @@ def _key_factor(w: LayerWeights, spec: AttentionSpec, layout: str, rank: int | N
     if spec.qk_norm is not None:  # exact only (plan refuses a lower rank): blocks per KV head
         return aligned_rope_factor(keys, spec.n_kv_heads), affine
     per_frequency = spec.rope and layout == "absorbed"
+    if per_frequency and spec.rotary_dim is not None:  # exact only (plan refuses a lower rank)
+        return partial_rope_factor(keys, spec.n_kv_heads, spec.rotary_dim), affine
     if weighting is not None:
         if per_frequency:
             return weighted_rope_factor(keys, spec.n_kv_heads, rank, weighting.key_pairs, weighting.key_moment), affine

@@ -70,6 +70,7 @@ def hf_model(model_type: str, seed: int = 0, dtype=torch.float32, random_biases:
                     param.copy_(0.5 * torch.randn(param.shape, generator=gen, dtype=torch.float64).to(dtype))
     if dtype == torch.float64:
         model.config._attn_implementation = "sdpa"
+        model.config._experts_implementation = "eager"  # a MoE's grouped matmul refuses float64
     return model
 
 

@@ -1,5 +1,6 @@
 """The supported model families, as data."""
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -62,7 +63,12 @@ class ArchSpec:
     None without. pre_norm: whether each decoder layer normalises its attention's
     input (`input_layernorm`; OLMo 2 normalises outputs instead). gemma_scores: the
     family takes `query_pre_attn_scalar` (softmax scale) and `attn_logit_softcapping`
-    (Gemma 2).
+    (Gemma 2). norm_unit_offset: the q/k norms scale by (1 + weight), in float32 (Gemma 3's
+    RMSNorm). module: transformers' module name of the family when it differs from `name`.
+    fused_qkv: the projection holding q, k and v as one weight (Phi-3's `qkv_proj`, rows
+    [q | k | v]), split on read into the q/k/v names above (None: stored separately).
+    partial_rotary: the family rotates only the first `head_dim · partial_rotary_factor`
+    dims of each head (config.json `partial_rotary_factor`); the rest are plain NoPE dims.
     """
 
     name: str
@@ -81,6 +87,9 @@ class ArchSpec:
     qk_norm: str | None = None
     pre_norm: bool = True
     gemma_scores: bool = False
+    norm_unit_offset: bool = False
+    fused_qkv: str | None = None
+    partial_rotary: bool = False
 
     @property
     def layer_pattern(self) -> str:
@@ -105,6 +114,8 @@ def _hf(
     pre_norm: bool = True,
     norms: tuple[str, ...] | None = None,
     gemma_scores: bool = False,
+    norm_unit_offset: bool = False,
+    module: str | None = None,
 ) -> ArchSpec:
     return ArchSpec(
         name=name,
@@ -117,7 +128,7 @@ def _hf(
         head_map="grouped",
         rope="rotate_half",
         causal=True,
-        hf_attention=f"transformers.models.{name}.modeling_{name}:{attention}",
+        hf_attention=f"transformers.models.{module or name}.modeling_{module or name}:{attention}",
         embed="model.embed_tokens.weight",
         tensors=_llama_tensors(
             bias, norms or (("input", "post_attention") if pre_norm else ("post_attention", "post_feedforward"))
@@ -125,6 +136,45 @@ def _hf(
         qk_norm=qk_norm,
         pre_norm=pre_norm,
         gemma_scores=gemma_scores,
+        norm_unit_offset=norm_unit_offset,
+    )
+
+
+_GEMMA_NORMS = ("input", "post_attention", "pre_feedforward", "post_feedforward")
+
+
+def _phi3_tensors() -> tuple[TensorRule, ...]:
+    """Phi-3's decoder: Llama's norms, a fused `gate_up_proj` [gate | up] and no attention biases
+    (a fused `qkv_proj.bias` would be dropped by the split, so it is refused by name)."""
+    layer = "model.layers.{i}."
+    d, v = "hidden_size", "vocab_size"
+    return (
+        TensorRule("model.embed_tokens.weight", (v, d)),
+        TensorRule("model.norm.weight", (d,)),
+        TensorRule("lm_head.weight", (v, d), "untied"),
+        TensorRule(layer + "input_layernorm.weight", (d,)),
+        TensorRule(layer + "post_attention_layernorm.weight", (d,)),
+        TensorRule(layer + "mlp.gate_up_proj.weight", ("gate_up_size", d)),
+        TensorRule(layer + "mlp.down_proj.weight", (d, "intermediate_size")),
+        *(TensorRule(f"{layer}self_attn.{p}_proj.bias", None, "never") for p in ("q", "k", "v", "o", "qkv")),
+    )
+
+
+def _mixtral_tensors() -> tuple[TensorRule, ...]:
+    """Mixtral's decoder as transformers' modules hold it (a checkpoint's per-expert w1/w2/w3 are read
+    stacked, `convert.layouts`): the router and the stacked experts, passed through untouched."""
+    layer = "model.layers.{i}."
+    d, v, e, inner = "hidden_size", "vocab_size", "num_local_experts", "intermediate_size"
+    return (
+        TensorRule("model.embed_tokens.weight", (v, d)),
+        TensorRule("model.norm.weight", (d,)),
+        TensorRule("lm_head.weight", (v, d), "untied"),
+        TensorRule(layer + "input_layernorm.weight", (d,)),
+        TensorRule(layer + "post_attention_layernorm.weight", (d,)),
+        TensorRule(layer + "mlp.gate.weight", (e, d)),
+        TensorRule(layer + "mlp.experts.gate_up_proj", (e, "gate_up_size", d)),
+        TensorRule(layer + "mlp.experts.down_proj", (e, d, inner)),
+        *(TensorRule(f"{layer}self_attn.{p}_proj.bias", None, "never") for p in "qkvo"),
     )
 
 
@@ -143,8 +193,41 @@ ARCHS: dict[str, ArchSpec] = {
         "gemma2",
         "Gemma2Attention",
         _LLAMA_BIAS,
-        norms=("input", "post_attention", "pre_feedforward", "post_feedforward"),
+        norms=_GEMMA_NORMS,
         gemma_scores=True,
+    ),
+    # Gemma 3 (text): Gemma 2's layout, per-head q/k norms scaling by (1 + weight), one RoPE base for
+    # sliding-window layers and another for global ones (the model hands each layer its own cos/sin).
+    "gemma3_text": _hf(
+        "gemma3_text",
+        "Gemma3Attention",
+        _LLAMA_BIAS,
+        qk_norm="head",
+        norms=_GEMMA_NORMS,
+        gemma_scores=True,
+        norm_unit_offset=True,
+        module="gemma3",
+    ),
+    # Mixtral: Mistral's attention, a mixture-of-experts MLP (router + experts) passed through.
+    "mixtral": dataclasses.replace(_hf("mixtral", "MixtralAttention", _MISTRAL_BIAS), tensors=_mixtral_tensors()),
+    # Phi-3 (and Phi-3.5 / Phi-4-mini, which share model_type phi3): q, k and v fused in qkv_proj,
+    # gate and up fused in gate_up_proj (passed through), partial RoPE where the config has it.
+    "phi3": ArchSpec(
+        name="phi3",
+        model_types=("phi3",),
+        layer_prefixes=("model.layers.{i}.self_attn.",),
+        q="q_proj",
+        k="k_proj",
+        v="v_proj",
+        o="o_proj",
+        head_map="grouped",
+        rope="rotate_half",
+        causal=True,
+        hf_attention="transformers.models.phi3.modeling_phi3:Phi3Attention",
+        embed="model.embed_tokens.weight",
+        tensors=_phi3_tensors(),
+        fused_qkv="qkv_proj",
+        partial_rotary=True,
     ),
     # The seed's MyGQA: per-layer W_Q/W_K/W_V/W_O, no RoPE, no mask, tiled head map.
     "seed": ArchSpec(
@@ -167,8 +250,7 @@ ARCHS: dict[str, ArchSpec] = {
 QK_NORM_MODEL_TYPES = {
     "qwen3_moe": "a mixture-of-experts MLP",
     "qwen3_next": "hybrid linear attention",
-    "gemma3": "a multimodal model (vision tower)",
-    "gemma3_text": "Gemma's (1 + weight) norms, local/global RoPE bases and soft-capping",
+    "gemma3": "a vision tower (multimodal); its text-only checkpoints (model_type gemma3_text) convert",
     "olmo3": "a q/k norm over the whole projection (all heads at once)",
     "chameleon": "a multimodal model with per-head layer norms",
 }
@@ -179,7 +261,7 @@ def find_arch(model_type: str | None, requested: str | None) -> ArchSpec:
     if model_type in QK_NORM_MODEL_TYPES:
         raise ConvertError(
             f"config.json model_type={model_type!r} normalises q and k and has {QK_NORM_MODEL_TYPES[model_type]}, "
-            "which convert does not handle yet; of the q/k-norm families only qwen3 (per-head norm) converts"
+            "which convert does not handle yet; the q/k-norm families that convert are qwen3, olmo2 and gemma3_text"
         )
     by_type = next((a for a in ARCHS.values() if model_type in a.model_types), None)
     if model_type is not None and by_type is None:

@@ -32,6 +32,7 @@ class AttentionSpec:
     qk_norm: str | None = None  # "head": q and k RMS-normalised per head before RoPE (Qwen3)
     norm_eps: float | None = None  # the q/k norms' epsilon (rms_norm_eps)
     softcap: float | None = None  # scores -> cap·tanh(scores/cap) before the mask (Gemma 2)
+    rotary_dim: int | None = None  # partial RoPE: the first rotary_dim dims of each head rotate (None: all)
 
     def prefix(self, layer: int) -> str:
         """Name prefix of layer `layer`'s attention tensors."""
@@ -129,12 +130,28 @@ def _rope_dicts(config: dict) -> list[tuple[str, dict]]:
     return found
 
 
-def _check_rope_config(config: dict, arch: ArchSpec) -> None:
+def _check_rope_config(config: dict, arch: ArchSpec, head_dim: int) -> int | None:
+    """Refuse what the RoPE config asks that convert does not do; returns the rotary dims per head
+    when only part of each head rotates (a family with partial RoPE), else None."""
     factors = [("partial_rotary_factor", config.get("partial_rotary_factor"))]
     factors += [(f"{field}.partial_rotary_factor", p.get("partial_rotary_factor")) for field, p in _rope_dicts(config)]
+    factors = [(field, factor) for field, factor in factors if factor is not None and factor != 1.0]
+    rotary_dim = None
     for field, factor in factors:
-        if factor is not None and factor != 1.0:
-            raise ConvertError(f"config.json {field}={factor}: partial RoPE is not supported yet")
+        if not arch.partial_rotary:
+            raise ConvertError(
+                f"config.json {field}={factor}: partial RoPE, which transformers' {arch.name} attention does not "
+                "apply (it rotates every dim); fix config.json, or set model_type to the family it comes from"
+            )
+        dims = int(head_dim * factor)
+        if rotary_dim is not None and dims != rotary_dim:
+            raise ConvertError(f"config.json {field}={factor} contradicts another partial_rotary_factor; keep one")
+        if dims <= 0 or dims % 2 or dims > head_dim:
+            raise ConvertError(
+                f"config.json {field}={factor} rotates {dims} of head_dim={head_dim} dims; RoPE needs an even "
+                "number of dims between 2 and head_dim: fix partial_rotary_factor"
+            )
+        rotary_dim = dims
     for field in ("attn_logit_softcapping", "query_pre_attn_scalar"):
         if config.get(field) is not None and not arch.gemma_scores:
             raise ConvertError(f"config.json {field}={config[field]} is not supported for this architecture")
@@ -143,6 +160,7 @@ def _check_rope_config(config: dict, arch: ArchSpec) -> None:
             "config.json use_bidirectional_attention=true: convert writes causal attention only; "
             "set it to false if the model is a causal LM"
         )
+    return rotary_dim
 
 
 def resolve_attention(
@@ -196,8 +214,9 @@ def resolve_attention(
     head_map = head_map or spec.head_map
     if head_map not in HEAD_MAPS:
         raise ConvertError(f"--head-map {head_map!r} is unknown; use one of {', '.join(HEAD_MAPS)}")
+    rotary_dim = None
     if spec.rope:
-        _check_rope_config(config, spec)
+        rotary_dim = _check_rope_config(config, spec, head_dim)
         if head_dim % 2:
             raise ConvertError(f"head_dim={head_dim} is odd: RoPE needs pairs of dims; check config.json head_dim")
     return AttentionSpec(
@@ -214,6 +233,7 @@ def resolve_attention(
         qk_norm=spec.qk_norm,
         norm_eps=_norm_eps(spec, config),
         softcap=config.get("attn_logit_softcapping") if spec.gemma_scores else None,
+        rotary_dim=rotary_dim if rotary_dim != head_dim else None,
     )
 
 
@@ -278,7 +298,11 @@ def _presence(rule: TensorRule, config: dict) -> tuple[bool, bool]:
 def _check_model_tensors(arch: ArchSpec, config: dict, hidden_size: int, n_layers: int, keys: set[str], shape) -> None:
     """The family's other tensors (embedding, norms, MLP, lm_head, attention biases): present exactly
     when config.json says the model has them, with the shapes its fields give."""
-    dims = {"hidden_size": hidden_size, **{f: config.get(f) for f in ("vocab_size", "intermediate_size")}}
+    dims = {
+        "hidden_size": hidden_size,
+        **{f: config.get(f) for f in ("vocab_size", "intermediate_size", "num_local_experts")},
+    }
+    dims["gate_up_size"] = 2 * dims["intermediate_size"] if dims["intermediate_size"] is not None else None
     for rule in arch.tensors:
         required, allowed = _presence(rule, config)
         layers = range(n_layers) if "{i}" in rule.name else [None]

@@ -9,7 +9,7 @@
 from convert.linalg.absorb import absorb_output, absorb_query
 from convert.linalg.factor import Factor, joint_factor, numerical_rank, real_factor
 from convert.linalg.heads import expand_groups, group_of_head, tile_rows
-from convert.linalg.rope import aligned_rope_factor, latent_groups, latent_ungroup, rope_factor
+from convert.linalg.rope import aligned_rope_factor, latent_groups, latent_ungroup, partial_rope_factor, rope_factor
 
 __all__ = [
     "Factor",
@@ -23,6 +23,7 @@ __all__ = [
     "latent_ungroup",
     "numerical_rank",
     "real_factor",
+    "partial_rope_factor",
     "rope_factor",
     "tile_rows",
 ]

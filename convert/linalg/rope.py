@@ -16,7 +16,7 @@ is then the ordinary `(W^{UK}_h)ᵀ W^Q_h`.
 
 import torch
 
-from convert.linalg.factor import Factor
+from convert.linalg.factor import Factor, real_factor
 
 
 def complex_pairs(weight: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
@@ -76,6 +76,34 @@ def _rotation_blocks(u_sel: torch.Tensor, freq: torch.Tensor, head_dim: int) -> 
     up[:, freq + half, p] = coeff.imag
     up[:, freq + half, n_pairs + p] = coeff.real
     return up.reshape(n_groups * head_dim, 2 * n_pairs)  # (G·d, 2P)
+
+
+def partial_rope_factor(weight: torch.Tensor, n_kv_heads: int, rotary_dim: int) -> Factor:
+    """The exact factor of keys whose first `rotary_dim` dims per head rotate (partial RoPE).
+
+    weight: (G·d, X). The latent is [per-frequency part (2P) | NoPE part (n)]: `rope_factor`
+    of the rotary rows (pairs (j, j + rotary_dim/2) of each head), then a plain SVD of the
+    others, which no rotation touches. `freq_index` (P,) covers the first 2P latent dims;
+    RoPE of the latent rotates those and passes the rest, as the source passes its NoPE dims.
+    """
+    rows, cols = weight.shape
+    head_dim = rows // n_kv_heads
+    w = weight.double().reshape(n_kv_heads, head_dim, cols)  # (G, d, X)
+    rot = rope_factor(w[:, :rotary_dim].reshape(-1, cols), n_kv_heads)  # up (G·rot, 2P)
+    nope = real_factor(w[:, rotary_dim:].reshape(-1, cols))  # up (G·(d − rot), n)
+    r_rot, r_nope = rot.rank, nope.rank
+    up = torch.zeros(n_kv_heads, head_dim, r_rot + r_nope, dtype=torch.float64)  # (G, d, 2P + n)
+    up[:, :rotary_dim, :r_rot] = rot.up.reshape(n_kv_heads, rotary_dim, r_rot)
+    up[:, rotary_dim:, r_rot:] = nope.up.reshape(n_kv_heads, head_dim - rotary_dim, r_nope)
+    s = torch.linalg.svdvals(weight.double())
+    kept = torch.cat([rot.kept, nope.kept])  # |complex component|² is the energy of its two real dims
+    return Factor(
+        up=up.reshape(rows, -1),
+        down=torch.cat([rot.down, nope.down]),
+        singular_values=s,
+        kept=kept,
+        freq_index=rot.freq_index,
+    )
 
 
 def aligned_rope_factor(weight: torch.Tensor, n_kv_heads: int) -> Factor:

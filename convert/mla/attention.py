@@ -30,8 +30,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """rotate_half RoPE, the convention of HF Llama/Mistral/Qwen2."""
-    return x * cos + rotate_half(x) * sin
+    """rotate_half RoPE, the convention of HF Llama/Mistral/Qwen2, on the first cos.shape[-1] dims
+    of x; the others pass unrotated (partial RoPE's NoPE dims, and a latent's NoPE part)."""
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    head, tail = x[..., :rotary], x[..., rotary:]
+    return torch.cat([head * cos + rotate_half(head) * sin, tail], dim=-1)
 
 
 def latent_cos_sin(cos: torch.Tensor, sin: torch.Tensor, freq_index: torch.Tensor):
@@ -49,16 +54,19 @@ def latent_cos_sin(cos: torch.Tensor, sin: torch.Tensor, freq_index: torch.Tenso
 class QKNorm(nn.Module):
     """The source's q/k RMSNorm over the last dim, computed as transformers computes it: in
     float32, then the weight applied in the input's dtype (Qwen3RMSNorm), or in float32
-    before casting back (`weight_in_float32`, Olmo2RMSNorm)."""
+    before casting back (`weight_in_float32`, Olmo2RMSNorm), or (1 + weight) in float32
+    (`unit_offset`, Gemma3RMSNorm, whose weight is stored as its offset from one)."""
 
-    def __init__(self, dim: int, eps: float, weight_in_float32: bool = False):
+    def __init__(self, dim: int, eps: float, weight_in_float32: bool = False, unit_offset: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps, self.weight_in_float32 = eps, weight_in_float32
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.eps, self.weight_in_float32, self.unit_offset = eps, weight_in_float32 or unit_offset, unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         if self.weight_in_float32:
             return (self.weight * h).to(x.dtype)
         return self.weight * h.to(x.dtype)
@@ -104,9 +112,11 @@ class MLAAttention(nn.Module):
         if self.qk_norm:
             inner = self.n_heads * self.head_dim
             whole = self.qk_norm == "whole"  # OLMo 2, whose norm also applies its weight in float32
+            offset = bool(mla.get("norm_unit_offset"))  # Gemma 3: (1 + weight)
             self.q_proj = nn.Linear(hidden_size, inner, bias="q_proj" in bias)
-            self.q_norm = QKNorm(inner if whole else self.head_dim, mla["norm_eps"], whole)
-            self.k_norm = QKNorm(self.n_kv_heads * self.head_dim if whole else self.head_dim, mla["norm_eps"], whole)
+            self.q_norm = QKNorm(inner if whole else self.head_dim, mla["norm_eps"], whole, offset)
+            k_dim = self.n_kv_heads * self.head_dim if whole else self.head_dim
+            self.k_norm = QKNorm(k_dim, mla["norm_eps"], whole, offset)
             self.k_up = nn.Linear(rank_k, inner, bias=False)
         if self.layout == "absorbed":
             if not self.qk_norm:

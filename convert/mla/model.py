@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from convert.arch import ARCHS
 from convert.errors import ConvertError
-from convert.hf import build_causal_lm, load_strict
+from convert.hf import build_causal_lm, layer_rotary, load_strict
 from convert.mla.attention import build_mla_attention
 from convert.mla.schema import check_converted
 from convert.options import TORCH_DTYPES
@@ -49,7 +49,8 @@ def swap_attention(model, mla: dict) -> None:
         old = layer.self_attn
         window = getattr(old, "sliding_window", None)
         dtype = next(old.parameters()).dtype
-        layer.self_attn = build_mla_attention(mla, i, rotary=inner.rotary_emb, sliding_window=window, dtype=dtype)
+        rotary = layer_rotary(inner.rotary_emb, model.config, i)
+        layer.self_attn = build_mla_attention(mla, i, rotary=rotary, sliding_window=window, dtype=dtype)
 
 
 def weight_files(path: Path) -> list[Path]:

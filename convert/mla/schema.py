@@ -192,12 +192,15 @@ def _check_freq_index(entry: dict, field: str, mla: dict, where: str) -> None:
                 f"{where} {field}.key_freq_index is set but only absorbed RoPE latents have one; {RECONVERT}"
             )
         return
-    rank_k, half = entry["rank_k"], mla["head_dim"] // 2
-    if rank_k % 2:
+    rank_k, partial = entry["rank_k"], mla.get("rotary_dim")
+    half = (partial or mla["head_dim"]) // 2
+    if partial is None and rank_k % 2:
         raise refuse(where, f"{field}.rank_k", rank_k, ("is odd", "an even rank (RoPE pairs)"), RECONVERT)
-    valid = isinstance(freq, list) and len(freq) == rank_k // 2
-    if not valid or any(isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < half for j in freq):
-        want = f"a list of rank_k/2={rank_k // 2} frequency indices below head_dim/2={half}"
+    # partial RoPE: the latent is [rotated pairs | NoPE dims], so its pairs take at most rank_k dims
+    fits = isinstance(freq, list) and (2 * len(freq) <= rank_k if partial else len(freq) == rank_k // 2)
+    if not fits or any(isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < half for j in freq):
+        count = f"at most rank_k/2={rank_k // 2}" if partial else f"rank_k/2={rank_k // 2}"
+        want = f"a list of {count} frequency indices below {'rotary_dim' if partial else 'head_dim'}/2={half}"
         raise refuse(where, f"{field}.key_freq_index", freq, ("does not fit the latent", want), RECONVERT)
 
 
@@ -215,6 +218,10 @@ def _check_figures(figures: Any, field: str, where: str) -> None:
 # ------------------------------------------------------------------ the section against config.json
 
 
+def _even_below(value, bound: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < bound and value % 2 == 0
+
+
 def _check_against_config(mla: dict, arch: ArchSpec, config: dict, where: str) -> None:
     """The section describes the model of the source fields beside it (`source_config`)."""
     for field, want in (("rope", arch.rope), ("causal", arch.causal), ("qk_norm", arch.qk_norm)):
@@ -224,6 +231,18 @@ def _check_against_config(mla: dict, arch: ArchSpec, config: dict, where: str) -
             )
     if arch.qk_norm is not None:
         check_field(where, "mla.norm_eps", mla.get("norm_eps"), positive, RECONVERT)
+    rotary_dim = mla.get("rotary_dim")
+    if rotary_dim is not None and (not arch.partial_rotary or not _even_below(rotary_dim, mla["head_dim"])):
+        problem = (
+            "is not a partial RoPE of the model",
+            f"absent, or an even number of dims below head_dim={mla['head_dim']}",
+        )
+        raise refuse(where, "mla.rotary_dim", rotary_dim, problem, RECONVERT)
+    if bool(mla.get("norm_unit_offset")) != arch.norm_unit_offset:
+        raise ConvertError(
+            f"{where} mla.norm_unit_offset={mla.get('norm_unit_offset')!r} but a {arch.name} model's q/k norms "
+            f"{'scale by 1 + weight' if arch.norm_unit_offset else 'scale by their weight'}; {RECONVERT}"
+        )
     if mla.get("softcap") != (config.get("attn_logit_softcapping") if arch.gemma_scores else None):
         raise ConvertError(
             f"{where} mla.softcap={mla.get('softcap')!r} but the model's attn_logit_softcapping is "
@@ -285,6 +304,7 @@ def _spec(mla: dict, arch: ArchSpec) -> AttentionSpec:
         layer_prefix_template=mla["layer_prefix"],
         qk_norm=mla.get("qk_norm"),
         norm_eps=mla.get("norm_eps"),
+        rotary_dim=mla.get("rotary_dim"),
     )
 
 

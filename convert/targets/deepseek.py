@@ -427,8 +427,9 @@ def export_spec(state_dict: dict, config, target: str) -> tuple[dict, StateDictS
     spec = resolve_attention(config, source.keys(), source.shape)
     if spec.arch.name not in SUPPORTED_ARCHS:
         raise ConvertError(
-            f"--target {target}: exporting a {spec.arch.name} model to DeepSeek-V3 is not implemented (its "
-            f"attention has more than DeepSeek-V3's: q/k norms, soft-capping, ...); the {target} target supports "
+            f"--target {target}: exporting a {spec.arch.name} model to DeepSeek-V3 is not implemented (it has "
+            "what DeepSeek-V3's dense layers lack: q/k norms, soft-capping, a mixture-of-experts MLP, ...); the "
+            f"{target} target supports "
             f"{', '.join(SUPPORTED_ARCHS)}: use --target mla for {spec.arch.name}"
         )
     return config, source, spec

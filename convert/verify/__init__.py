@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from convert.errors import ConvertError
 from convert.hf import source_fields
 from convert.io import open_checkpoint
+from convert.layouts import module_layout
 from convert.mla.model import load_mla_model, read_mla_config
 from convert.options import VerifyOptions
 from convert.plan import available_memory_bytes, whole_model_activation_bytes, whole_model_memory_bytes
@@ -69,7 +70,8 @@ def verify_paths(original, converted, **options) -> dict:
     run_device, run_dtype = opts.torch_device, opts.torch_dtype
     config = read_mla_config(converted)
     mla = config["mla"]
-    with open_checkpoint(original) as orig, open_checkpoint(converted) as conv:
+    with open_checkpoint(original) as stored, open_checkpoint(converted) as conv:
+        orig = module_layout(stored, config)  # Mixtral: experts stacked, as the converted checkpoint holds them
         _check_same_source(orig, config, converted)
         copied = copied_tensors_check(orig, conv, mla)
         run = LayerRun(orig, conv, config, run_device, run_dtype)

@@ -56,7 +56,7 @@ def check_hf_layers(run: LayerRun, token_ids: torch.Tensor | None, n_tokens: int
         positions, rotary, mask = inputs
         with torch.no_grad():
             ref = reference(x, position_embeddings=rotary, attention_mask=mask)[0]
-            got = _mla_module(run, layer, stream.rotary)(x, rotary, mask, position_ids=positions)[0]
+            got = _mla_module(run, layer, stream.layer_rotary(layer))(x, rotary, mask, position_ids=positions)[0]
         results.append(_layer_result(run, layer, got, ref))
 
     if token_ids is not None:

@@ -14,6 +14,7 @@ import torch
 
 from convert.arch import ARCHS
 from convert.io import Checkpoint
+from convert.layouts import module_layout
 from convert.mla.attention import build_mla_attention
 from convert.stream import LayerStream, embedding_rows, materialize
 
@@ -24,7 +25,7 @@ class _Stream:
     """The pieces both streams share: classes, configs, rotary embedding, masks."""
 
     def __init__(self, original: Checkpoint, converted: Checkpoint, config: dict, device, dtype):
-        self.original, self.converted, self.config = original, converted, config
+        self.original, self.converted, self.config = module_layout(original, config), converted, config
         self.mla, self.device, self.dtype = config["mla"], device, dtype
         self.layers = LayerStream(original, config, device, dtype)
         self.arch = ARCHS[self.mla["source_architecture"]]
@@ -43,7 +44,9 @@ class _Stream:
         def build():
             decoder = self.layers.decoder_cls(self.layers.mask_config, layer)
             window = getattr(decoder.self_attn, "sliding_window", None)
-            decoder.self_attn = build_mla_attention(self.mla, layer, rotary=self.layers.rotary, sliding_window=window)
+            decoder.self_attn = build_mla_attention(
+                self.mla, layer, rotary=self.layers.layer_rotary(layer), sliding_window=window
+            )
             return decoder
 
         return materialize(build, self.converted, f"model.layers.{layer}.", self.device, self.dtype)

@@ -1,0 +1,182 @@
+"""Checkpoints seen in the tensor layout conversion and transformers' modules read.
+
+Some families store tensors differently from how their transformers modules hold them:
+- Phi-3 fuses q, k and v in one `qkv_proj` weight (rows [q | k | v]); conversion reads
+  the three as separate row blocks under the family's q/k/v names (`attention_view`).
+- Mixtral checkpoints on disk keep one weight per expert (`block_sparse_moe.experts.{e}.w1/
+  w2/w3`, as transformers' `save_pretrained` writes them), while transformers' modules hold
+  the experts stacked (`mlp.experts.gate_up_proj` (E, 2I, D), `mlp.experts.down_proj`
+  (E, D, I)) and the router as `mlp.gate`; `module_layout` presents the stored experts in
+  that layout, the same values rearranged, so the original model's modules load them and
+  the converted checkpoint holds them as the MLA model's modules do.
+
+A view is read-only: it adds virtual tensors assembled from stored ones, hides those, and
+hands everything else (raw bytes, config, paths) to the checkpoint it wraps (`stored`).
+"""
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from convert.arch import ARCHS
+from convert.errors import ConvertError
+
+
+@dataclass(frozen=True)
+class VirtualTensor:
+    """A tensor a view presents that the checkpoint stores as parts of others (`members`),
+    built by `assemble(read)` from a reader of stored tensors."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    members: tuple[str, ...]
+    assemble: Callable[[Callable[[str], torch.Tensor]], torch.Tensor]
+
+
+class TensorView:
+    """A checkpoint (or `StateDictSource`) with `virtual` tensors in place of their members."""
+
+    def __init__(self, stored, virtual: dict[str, VirtualTensor]):
+        self.stored, self.virtual = stored, virtual
+        self.hidden = {member for tensor in virtual.values() for member in tensor.members}
+        self._keys = [k for k in stored.keys() if k not in self.hidden] + list(virtual)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stored, name)
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.virtual or (name in self.stored and name not in self.hidden)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.virtual[name].shape if name in self.virtual else tuple(self.stored.shape(name))
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.virtual[name].dtype if name in self.virtual else self.stored.dtype(name)
+
+    def entry(self, name: str):
+        """The stored record (file, …) of a tensor; a virtual tensor's first member's."""
+        return self.stored.entry(self.virtual[name].members[0] if name in self.virtual else name)
+
+    def _reader(self, method: str) -> Callable[[str], torch.Tensor]:
+        return getattr(self.stored, method, self.stored.get)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name in self.virtual:
+            return self.virtual[name].assemble(self.stored.get)
+        return self.stored.get(name)
+
+    def read(self, name: str) -> torch.Tensor:
+        if name in self.virtual:
+            return self.virtual[name].assemble(self._reader("read"))
+        return self._reader("read")(name)
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        if name in self.virtual:
+            return self.get(name)[start:stop]
+        return self.stored.get_rows(name, start, stop)
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        if name in self.virtual:
+            return self.read(name)[start:stop]
+        return getattr(self.stored, "read_rows", self.stored.get_rows)(name, start, stop)
+
+    def raw_bytes(self, name: str) -> bytes:
+        """Stored bytes; a virtual tensor's as safetensors lays it out (C order, little-endian)."""
+        if name not in self.virtual:
+            return self.stored.raw_bytes(name)
+        return self.read(name).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _family(config: dict | None):
+    """The source family of a config.json dict (a converted one names it in `mla.source_model_type`)."""
+    config = config or {}
+    model_type = (config.get("mla") or {}).get("source_model_type") or config.get("model_type")
+    return next((a for a in ARCHS.values() if model_type in a.model_types), None) if model_type else None
+
+
+def attention_view(source, config: dict | None):
+    """`source` as conversion reads it: in transformers' module layout (`module_layout`), and with
+    a fused q/k/v weight (Phi-3's `qkv_proj`) split into the family's q/k/v names (then
+    `.module_source` is the view before the split)."""
+    source = module_layout(source, config)
+    arch = _family(config)
+    if arch is None or arch.fused_qkv is None:
+        return source
+    view = TensorView(source, _split_qkv(source, arch, config))
+    view.module_source = source  # what the family's own modules load (calibration runs them)
+    return view
+
+
+def _split_qkv(source, arch, config: dict) -> dict[str, VirtualTensor]:
+    """q, k, v row blocks [H·d | G·d | G·d] of every layer's fused weight."""
+    n_heads = config.get("num_attention_heads")
+    if n_heads is None:
+        raise ConvertError(
+            f"config.json has no num_attention_heads, which splits a {arch.name} model's fused {arch.fused_qkv}; "
+            "add the model's value"
+        )
+    n_kv_heads = config.get("num_key_value_heads") or n_heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+    sizes = {arch.q: n_heads * head_dim, arch.k: n_kv_heads * head_dim, arch.v: n_kv_heads * head_dim}
+    suffix = f".{arch.fused_qkv}.weight"
+    virtual = {}
+    for fused in (name for name in source.keys() if name.endswith(suffix)):
+        rows, cols = source.shape(fused)[0], source.shape(fused)[1:]
+        if rows != sum(sizes.values()):
+            raise ConvertError(
+                f"{fused} has {rows} rows but q, k and v take (num_attention_heads + 2·num_key_value_heads)·head_dim"
+                f" = ({n_heads} + 2·{n_kv_heads})·{head_dim} = {sum(sizes.values())}; config.json does not "
+                "describe this checkpoint"
+            )
+        start, prefix = 0, fused[: -len(suffix) + 1]
+        for proj, size in sizes.items():
+            rows_of = lambda read, fused=fused, a=start, b=start + size: read(fused)[a:b]
+            virtual[f"{prefix}{proj}.weight"] = VirtualTensor((size, *cols), source.dtype(fused), (fused,), rows_of)
+            start += size
+    return virtual
+
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.experts\.(\d+)\.w([123])\.weight$")
+
+
+def module_layout(source, config: dict | None):
+    """`source` with a Mixtral checkpoint's per-expert weights stacked as transformers' modules hold
+    them (`mlp.experts.gate_up_proj` = [w1_e; w3_e] per expert e, `mlp.experts.down_proj` = w2_e,
+    `mlp.gate` the router); any other checkpoint unchanged."""
+    arch = _family(config)
+    if arch is None or arch.name != "mixtral":
+        return source
+    experts: dict[str, dict[tuple[int, int], str]] = {}  # layer prefix -> (expert, w) -> name
+    for name in source.keys():
+        if match := _EXPERT.match(name):
+            experts.setdefault(match.group(1), {})[int(match.group(2)), int(match.group(3))] = name
+    virtual = {}
+    for prefix, names in experts.items():
+        count = 1 + max(e for e, _ in names)
+        missing = [(e, w) for e in range(count) for w in (1, 2, 3) if (e, w) not in names]
+        if missing:
+            e, w = missing[0]
+            raise ConvertError(
+                f"the checkpoint has no {prefix}block_sparse_moe.experts.{e}.w{w}.weight but has expert {count - 1}; "
+                "it is incomplete: re-download or re-export it"
+            )
+        w1, w2, w3 = ([names[e, w] for e in range(count)] for w in (1, 2, 3))
+        dtype = source.dtype(w1[0])
+        inner, hidden = source.shape(w1[0])
+        gate_up = lambda read, w1=w1, w3=w3: torch.stack([torch.cat([read(a), read(b)]) for a, b in zip(w1, w3)])
+        down = lambda read, w2=w2: torch.stack([read(a) for a in w2])
+        virtual[prefix + "mlp.experts.gate_up_proj"] = VirtualTensor(
+            (count, 2 * inner, hidden), dtype, tuple(w1 + w3), gate_up
+        )
+        virtual[prefix + "mlp.experts.down_proj"] = VirtualTensor((count, hidden, inner), dtype, tuple(w2), down)
+        router = prefix + "block_sparse_moe.gate.weight"
+        if router in source:
+            virtual[prefix + "mlp.gate.weight"] = VirtualTensor(
+                tuple(source.shape(router)), source.dtype(router), (router,), lambda read, r=router: read(r)
+            )
+    return TensorView(source, virtual) if virtual else source
