@@ -42,6 +42,11 @@ def parse_args(argv=None):
     p.add_argument("--ratios", default="1,0.75,0.5,0.25")
     p.add_argument("--methods", default="svd,whitened,fisher")
     p.add_argument("--layouts", default="factored,absorbed")
+    p.add_argument(
+        "--nope-angles",
+        default=None,
+        help="absorbed layout: compare these --nope-angle values side by side (e.g. 0,0.75); default the option's",
+    )
     p.add_argument("--out", type=Path, default=HERE / "results" / "compression.json")
     return p.parse_args(argv)
 
@@ -51,9 +56,10 @@ def token_ids(tokenizer, book: str, n: int) -> torch.Tensor:
     return torch.tensor(ids)[None]
 
 
-def run_one(model, calib_ids, eval_ids, window, method, layout, ratio) -> dict:
+def run_one(model, calib_ids, eval_ids, window, method, layout, ratio, nope_angle=None) -> dict:
     t0 = time.perf_counter()
     options = dict(layout=layout, kv_cache_ratio=ratio if ratio < 1 else None)
+    options |= {} if nope_angle is None else {"nope_angle": nope_angle}
     if ratio < 1:
         options |= dict(method=method, calib=calib_ids if method != "svd" else None, calib_tokens=calib_ids.shape[-1])
     state = convert.convert_state_dict(model.state_dict(), model.config, **options)
@@ -69,6 +75,8 @@ def run_one(model, calib_ids, eval_ids, window, method, layout, ratio) -> dict:
         "achieved_ratio": comp.get("achieved_ratio", 1.0),
         "ranks_k": [l["rank_k"] for l in state.config["mla"]["layers"]],
         "ranks_v": [l["rank_v"] for l in state.config["mla"]["layers"]],
+        "nope_angle": comp.get("nope_angle", 0.0) if layout == "absorbed" and ratio < 1 else None,
+        "static_freqs": comp.get("static_freqs", []),
         "ppl": ppl,
         "convert_s": convert_s,
     }
@@ -87,18 +95,24 @@ def main(argv=None):
     print(f"original perplexity on {args.eval_book} ({eval_ids.shape[-1]} tokens): {base:.4f}", flush=True)
     rows = []
     ratios = [float(r) for r in args.ratios.split(",")]
-    for layout in args.layouts.split(","):
-        for ratio in ratios:
-            for method in args.methods.split(",") if ratio < 1 else ["exact"]:
-                row = run_one(model, calib_ids, eval_ids, args.window, method, layout, ratio)
-                row["ppl_ratio"] = row["ppl"] / base
-                row["target"] = TARGETS.get(ratio)
-                rows.append(row)
-                print(
-                    f"{layout:9s} {ratio:5.2f} {row['method']:9s} cache {row['achieved_ratio']:.4f} "
-                    f"ppl {row['ppl']:9.3f} ×{row['ppl_ratio']:.3f} ({row['convert_s']:.0f}s)",
-                    flush=True,
-                )
+    angles = [None] if args.nope_angles is None else [float(a) for a in args.nope_angles.split(",")]
+    runs = [
+        (layout, ratio, method, angle)
+        for layout in args.layouts.split(",")
+        for ratio in ratios
+        for method in (args.methods.split(",") if ratio < 1 else ["exact"])
+        for angle in (angles if layout == "absorbed" and ratio < 1 else [None])
+    ]
+    for layout, ratio, method, angle in runs:
+        row = run_one(model, calib_ids, eval_ids, args.window, method, layout, ratio, angle)
+        row["ppl_ratio"] = row["ppl"] / base
+        row["target"] = TARGETS.get(ratio)
+        rows.append(row)
+        print(
+            f"{layout:9s} {ratio:5.2f} {row['method']:9s} nope {row['nope_angle']} cache {row['achieved_ratio']:.4f} "
+            f"ppl {row['ppl']:9.3f} ×{row['ppl_ratio']:.3f} ({row['convert_s']:.0f}s)",
+            flush=True,
+        )
     result = {
         "original_ppl": base,
         "calib": {"book": args.calib_book, "tokens": calib_ids.shape[-1]},
@@ -119,17 +133,20 @@ def markdown(result: dict) -> str:
         "| layout | method | " + " | ".join(f"{r:.0%} cache" for r in ratios) + " |",
         "|---|---|" + "---:|" * len(ratios),
     ]
-    for layout in dict.fromkeys(r["layout"] for r in rows):
-        for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "exact"):
-            cells = []
-            for ratio in ratios:
-                hit = [
-                    r
-                    for r in rows
-                    if r["layout"] == layout and r["ratio"] == ratio and r["method"] in (method, "exact")
-                ]
-                cells.append(f"{hit[0]['ppl']:.2f} (×{hit[0]['ppl_ratio']:.3f})" if hit else "")
-            lines.append(f"| {layout} | {method} | " + " | ".join(cells) + " |")
+    variants = dict.fromkeys((r["layout"], r["method"], r.get("nope_angle")) for r in rows if r["method"] != "exact")
+    for layout, method, angle in variants:
+        cells = []
+        for ratio in ratios:
+            hit = [
+                r
+                for r in rows
+                if r["layout"] == layout
+                and r["ratio"] == ratio
+                and (r["method"] == "exact" or (r["method"] == method and r.get("nope_angle") == angle))
+            ]
+            cells.append(f"{hit[0]['ppl']:.2f} (×{hit[0]['ppl_ratio']:.3f})" if hit else "")
+        label = method if angle is None else f"{method}, --nope-angle {angle:g}"
+        lines.append(f"| {layout} | {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -176,7 +176,9 @@ def _compression_section(plan: ConversionPlan, opts: ConvertOptions) -> dict | N
         "achieved_ratio": plan.cache_dims / plan.gqa_cache_dims,
         "calib": None if calib is None else str(calib),
         "calib_tokens": opts.calib_tokens if calib is not None else None,
-    }
+    } | (
+        {"static_freqs": list(plan.spec.static_freqs), "nope_angle": opts.nope_angle} if plan.spec.static_freqs else {}
+    )
 
 
 # ------------------------------------------------------------------ converting

@@ -174,6 +174,13 @@ class ConvertOptions(VerifyOptions):
         None, "Compression: real text to calibrate on (UTF-8); use a different text for --text.", kind=Path
     )
     calib_tokens: int = option(4096, "Tokens of --calib to use.")
+    nope_angle: float = option(
+        0.75,
+        "Absorbed compression with RoPE: key frequencies that turn less than this many radians over "
+        "min(max_position_embeddings, 4096) tokens are cached as NoPE dims, compressed freely across "
+        "frequencies and heads (the rest stay per-frequency rotary pairs); 0 keeps every frequency rotary.",
+        kind=float,
+    )
     max_shard_size: int | str = option(
         "5GB", "Start a new safetensors shard above this many bytes (e.g. 500MB, 5GB, 2GiB).", kind=str
     )
@@ -252,6 +259,8 @@ class ConvertOptions(VerifyOptions):
             and (self.resolved_method != "svd" or self.resolved_allocation != "uniform")
         ):
             raise ConvertError("--latent joint compresses only with --method svd and uniform ranks; use --latent split")
+        if not self.nope_angle >= 0:
+            raise ConvertError(f"--nope-angle {self.nope_angle} must be a non-negative angle in radians (0: off)")
         if self.calib_tokens < 2:
             raise ConvertError(f"--calib-tokens {self.calib_tokens} must be at least 2")
 

@@ -317,7 +317,31 @@ def resolve_spec(source, config: dict | None, opts: ConvertOptions) -> Attention
             "absorbed layout is not implemented: its latent keeps the rotary and NoPE parts exact; use "
             "--layout factored to compress, or drop --rank/--kv-cache-ratio"
         )
+    if spec.rope and opts.layout == "absorbed" and lossy and opts.latent == "split" and opts.nope_angle > 0:
+        spec = dataclasses.replace(spec, static_freqs=static_frequencies(spec, config or {}, opts.nope_angle))
     return spec
+
+
+#: The span over which a frequency must turn less than --nope-angle to be cached as NoPE.
+STATIC_SPAN = 4096
+
+
+def static_frequencies(spec: AttentionSpec, config: dict, angle: float) -> tuple[int, ...]:
+    """The key frequencies j (pairs j, j + d/2) whose RoPE turns less than `angle` radians over
+    min(max_position_embeddings, 4096) tokens: within that span they are nearly static, so an
+    absorbed compressed latent caches them as NoPE dims (compressed across frequencies and heads)
+    instead of spending a rotary pair per component. Computed from the source's own rotary
+    embedding (rope_theta and scaling as transformers applies them)."""
+    if spec.arch.hf_attention is None or config.get("model_type") is None:
+        return ()
+    from convert.hf import hf_classes, hf_config
+
+    rotary = hf_classes(spec.arch.name)[2](hf_config(config))
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if inv_freq is None:  # a rotary embedding per layer type (Gemma 3): keep every frequency rotary
+        return ()
+    span = min(config.get("max_position_embeddings") or STATIC_SPAN, STATIC_SPAN)
+    return tuple(int(j) for j in torch.nonzero(inv_freq.double() * span < angle)[:, 0])
 
 
 def _check_qk_norm_options(spec: AttentionSpec, opts: ConvertOptions) -> None:
@@ -378,7 +402,7 @@ def _checked(requested: dict[str, int], exact: dict[str, int], layer: int, spec:
                 f"{flag} {requested[name]} is above the exact rank of layer {layer} ({limits}): a latent cannot "
                 f"hold more than its exact rank; omit --rank for the exact conversion, or give fewer dims to compress"
             )
-    if spec.rope and opts.layout == "absorbed" and requested.get("rank_k", 0) % 2:
+    if spec.rope and opts.layout == "absorbed" and not spec.static_freqs and requested.get("rank_k", 0) % 2:
         raise ConvertError(
             f"--rank {requested['rank_k']} is odd: a RoPE key latent has pairs of dims; use an even rank"
         )

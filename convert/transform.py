@@ -32,7 +32,7 @@ from convert.linalg import (
     real_factor,
     rope_factor,
 )
-from convert.linalg.weighted import weighted_factor, weighted_rope_factor
+from convert.linalg.weighted import decoupled_rope_factor, weighted_factor, weighted_rope_factor
 
 
 @dataclass
@@ -99,6 +99,9 @@ def _key_factor(w: LayerWeights, spec: AttentionSpec, layout: str, rank: int | N
     per_frequency = spec.rope and layout == "absorbed"
     if per_frequency and spec.rotary_dim is not None:  # exact only (plan refuses a lower rank)
         return partial_rope_factor(keys, spec.n_kv_heads, spec.rotary_dim), affine
+    if per_frequency and spec.static_freqs:  # compressed: [rotary pairs | static frequencies as NoPE]
+        weights = [getattr(weighting, f, None) for f in ("key_pairs", "key_moment", "key_static_rows")]
+        return decoupled_rope_factor(keys, spec.n_kv_heads, rank, spec.static_freqs, *weights), affine
     if weighting is not None:
         if per_frequency:
             return weighted_rope_factor(keys, spec.n_kv_heads, rank, weighting.key_pairs, weighting.key_moment), affine

@@ -235,7 +235,8 @@ def test_rank_above_exact(tmp_path, src):
 
 
 def test_odd_rank_with_rope_absorbed(tmp_path, src):
-    _convert_fails(tmp_path, src, "--rank", "7", must_name=["--rank 7"])
+    # every frequency rotary (--nope-angle 0): the key latent is whole RoPE pairs
+    _convert_fails(tmp_path, src, "--rank", "7", "--nope-angle", "0", must_name=["--rank 7"])
 
 
 # ------------------------------------------------------------------ happy path

@@ -33,6 +33,7 @@ class AttentionSpec:
     norm_eps: float | None = None  # the q/k norms' epsilon (rms_norm_eps)
     softcap: float | None = None  # scores -> cap·tanh(scores/cap) before the mask (Gemma 2)
     rotary_dim: int | None = None  # partial RoPE: the first rotary_dim dims of each head rotate (None: all)
+    static_freqs: tuple[int, ...] = ()  # absorbed compression: frequencies cached as NoPE (`--nope-angle`)
 
     def prefix(self, layer: int) -> str:
         """Name prefix of layer `layer`'s attention tensors."""

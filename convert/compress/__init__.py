@@ -9,7 +9,7 @@ from convert.arch import AttentionSpec
 from convert.compress.allocate import Latent, allocate_global
 from convert.compress.calibrate import LayerStats, calibrate, fisher_calibrate
 from convert.compress.weights import METHODS, Weighting, layer_weighting
-from convert.linalg.weighted import pair_weighted_moment_spectrum, weighted_spectrum
+from convert.linalg.weighted import decoupled_spectrum, pair_weighted_moment_spectrum, weighted_spectrum
 from convert.transform import LayerWeights, with_bias
 
 __all__ = [
@@ -32,7 +32,17 @@ def layer_latents(
     weighting = weighting or Weighting()
     affine = spec.rope and w.k_bias is not None
     keys = with_bias(w.k, w.k_bias if affine else None)
-    if spec.rope and layout == "absorbed":
+    if spec.rope and layout == "absorbed" and spec.static_freqs:  # [rotary pairs | static NoPE dims]
+        s = decoupled_spectrum(
+            keys,
+            spec.n_kv_heads,
+            spec.static_freqs,
+            weighting.key_pairs,
+            weighting.key_moment,
+            weighting.key_static_rows,
+        )
+        key = Latent(layer, "rank_k", s, cost=1)
+    elif spec.rope and layout == "absorbed":
         s = pair_weighted_moment_spectrum(keys, spec.n_kv_heads, weighting.key_pairs, weighting.key_moment)
         key = Latent(layer, "rank_k", s.reshape(-1).sort(descending=True).values, cost=2)
     else:
@@ -45,6 +55,6 @@ def uniform_ranks(spec: AttentionSpec, layout: str, per_layer: int) -> dict:
     """The ranks of one layer caching `per_layer` dims per token: half keys, half values
     (keys rounded down to whole RoPE pairs in the absorbed layout)."""
     rank_k = per_layer // 2
-    if spec.rope and layout == "absorbed":
+    if spec.rope and layout == "absorbed" and not spec.static_freqs:
         rank_k -= rank_k % 2
     return {"rank_k": rank_k, "rank_v": per_layer - rank_k}

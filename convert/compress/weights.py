@@ -13,7 +13,7 @@ import torch
 
 from convert.arch import AttentionSpec
 from convert.compress.calibrate import LayerStats
-from convert.linalg.weighted import psd_sqrt
+from convert.linalg.weighted import hermitian_pair_weights, psd_sqrt, static_split
 from convert.transform import LayerWeights
 
 METHODS = ("svd", "whitened", "fisher")
@@ -25,17 +25,10 @@ class Weighting:
 
     key_moment: torch.Tensor | None = None  # (X, X), X = D (+1 for an affine key latent)
     key_rows: torch.Tensor | None = None  # (G·d, G·d), real latents
-    key_pairs: torch.Tensor | None = None  # (G, d/2), per-frequency complex latents
+    key_pairs: torch.Tensor | None = None  # per-frequency complex latents: (G, d/2) diagonal or (d/2, G, G)
     value_moment: torch.Tensor | None = None  # (D, D)
     value_rows: torch.Tensor | None = None  # (G·d, G·d)
-
-
-def pair_rms(grams: torch.Tensor) -> torch.Tensor:
-    """(G, d, d) -> (G, d/2): RoPE turns each pair by every angle, so a pair's weight is
-    the mean power of its two dims (rotation-averaged: one scalar per pair)."""
-    diag = grams.diagonal(dim1=-2, dim2=-1)  # (G, d)
-    half = diag.shape[-1] // 2
-    return ((diag[:, :half] + diag[:, half:]) / 2).clamp(min=0).sqrt()
+    key_static_rows: torch.Tensor | None = None  # (2·G·|S|,)² rows of the static frequencies S (NoPE part)
 
 
 def layer_weighting(
@@ -60,10 +53,10 @@ def _fisher_weighting(weighting: Weighting, spec: AttentionSpec, layout: str, st
     key_f, value_f = _ridge(stats.key_fisher), _ridge(stats.value_fisher)
     if spec.rope and layout == "absorbed":
         d = spec.head_dim
-        blocks = (
-            key_f.reshape(spec.n_kv_heads, d, spec.n_kv_heads, d).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
-        )  # (G, d, d)
-        weighting.key_pairs = pair_rms(blocks)
+        weighting.key_pairs = hermitian_pair_weights(key_f, spec.n_kv_heads)  # (d/2, G, G)
+        if spec.static_freqs:
+            rows = static_split(spec.n_kv_heads, d, spec.static_freqs)[1]
+            weighting.key_static_rows = psd_sqrt(key_f[rows][:, rows])
     else:
         weighting.key_rows = psd_sqrt(key_f)
     weighting.value_rows = psd_sqrt(value_f)

@@ -70,10 +70,47 @@ def pair_weighted_moment_spectrum(weight, n_kv_heads, pair_weight, moment) -> to
     return torch.linalg.svdvals(a)
 
 
+def _row_weighted(a: torch.Tensor, pair_weight: torch.Tensor | None) -> torch.Tensor:
+    """B_j A_j per frequency: pair_weight (G, d/2) real, a diagonal B_j; or (d/2, G, G) complex, B_j itself."""
+    if pair_weight is None:
+        return a
+    if pair_weight.dim() == 3:
+        return pair_weight.to(a.dtype) @ a
+    return a * pair_weight.T[:, :, None]
+
+
+def select_freqs(pair_weight: torch.Tensor | None, freqs: torch.Tensor) -> torch.Tensor | None:
+    """The pair weights of frequencies `freqs` only (either form of `_row_weighted`)."""
+    if pair_weight is None:
+        return None
+    return pair_weight[freqs] if pair_weight.dim() == 3 else pair_weight[:, freqs]
+
+
+def hermitian_pair_weights(key_fisher: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """(d/2, G, G) complex row weights B_j = H_j^{1/2} of the per-frequency complex key latents.
+
+    RoPE turns the error e_j = a + i·b of frequency j (a, b: the pair's first and second dims
+    in all G heads) by the same angle in every head; averaged over the angle, the Fisher
+    quadratic form [a; b]ᵀ F_j [a; b] is e_jᴴ H_j e_j with the Hermitian
+        H_j = (F_aa + F_bb)/2 + i (F_ba − F_ab)/2,
+    which keeps the cross-head Fisher terms that a diagonal weight per pair (one RMS per head) drops.
+    """
+    f = key_fisher.double()
+    head_dim = f.shape[0] // n_kv_heads
+    half = head_dim // 2
+    blocks = f.reshape(n_kv_heads, head_dim, n_kv_heads, head_dim)  # (G, d, G, d)
+    first, second = slice(0, half), slice(half, head_dim)
+    f_aa = blocks[:, first, :, first].permute(1, 3, 0, 2).diagonal(dim1=0, dim2=1)  # (G, G, d/2)
+    f_bb = blocks[:, second, :, second].permute(1, 3, 0, 2).diagonal(dim1=0, dim2=1)
+    f_ab = blocks[:, first, :, second].permute(1, 3, 0, 2).diagonal(dim1=0, dim2=1)
+    f_ba = blocks[:, second, :, first].permute(1, 3, 0, 2).diagonal(dim1=0, dim2=1)
+    hermitian = torch.complex((f_aa + f_bb) / 2, (f_ba - f_ab) / 2).permute(2, 0, 1)  # (d/2, G, G)
+    vals, vecs = torch.linalg.eigh(hermitian)
+    return (vecs * vals.clamp(min=0).sqrt()[:, None, :].to(vecs.dtype)) @ vecs.mH
+
+
 def _weighted_pairs(weight, n_kv_heads, pair_weight, moment):
-    a = complex_pairs(weight, n_kv_heads)  # (d/2, G, X)
-    if pair_weight is not None:
-        a = a * pair_weight.T[:, :, None]  # pair_weight (G, d/2)
+    a = _row_weighted(complex_pairs(weight, n_kv_heads), pair_weight)  # (d/2, G, X)
     if moment is not None:
         a = a @ psd_sqrt(moment).to(a.dtype)
     return a
@@ -89,7 +126,8 @@ def weighted_rope_factor(
     """Rank-`rank` RoPE key latent (per-frequency complex, see `rope_factor`) under the weighted error.
 
     pair_weight: (G, d/2) real weights of key pair (g, j), e.g. the RMS of the
-    queries that read it (rotation-averaged, so one scalar per pair).
+    queries that read it (rotation-averaged, so one scalar per pair); or (d/2, G, G)
+    complex row weights per frequency (`hermitian_pair_weights`).
     The `rank // 2` complex components with the largest weighted singular
     values across all frequencies are kept.
     """
@@ -98,7 +136,7 @@ def weighted_rope_factor(
     flat = torch.topk(s.reshape(-1), rank // 2).indices.sort().values
     j, t = flat // s.shape[1], flat % s.shape[1]
     u_sel = u[j, :, t]  # (P, G) left directions in the weighted space
-    b = a if pair_weight is None else a * pair_weight.T[:, :, None]
+    b = _row_weighted(a, pair_weight)
     down_c = torch.einsum("pg,pgx->px", u_sel.conj(), b[j])  # (P, X): U_rᴴ diag(w) A_j
     up_c = _refit_pairs(a, down_c, j, moment)  # (P, G)
     down = torch.cat([down_c.real, down_c.imag])  # (2P, X)
@@ -114,3 +152,92 @@ def _refit_pairs(a: torch.Tensor, down_c: torch.Tensor, freq: torch.Tensor, mome
         rows = (freq == j).nonzero()[:, 0]
         up[rows] = _refit_up(a[j], down_c[rows], m).T
     return up
+
+
+# ------------------------------------------------------------------ static frequencies as NoPE dims
+
+
+def static_split(n_kv_heads: int, head_dim: int, static: tuple[int, ...]):
+    """Key rows of the rotary frequencies and of the `static` ones, and the rotary frequencies.
+
+    Returns (rotary rows (G·2|R|,), static rows (G·2|S|,), rotary frequencies R (|R|,)); each
+    head's rows in rotate_half order [first dims of the pairs | second dims], so the rotary
+    rows form keys of head dim 2|R| that `complex_pairs` reads as frequencies R in order."""
+    half = head_dim // 2
+    rotary = [j for j in range(half) if j not in set(static)]
+
+    def rows(freqs: list[int]) -> torch.Tensor:
+        per_head = freqs + [j + half for j in freqs]
+        return torch.tensor([g * head_dim + i for g in range(n_kv_heads) for i in per_head], dtype=torch.long)
+
+    return rows(rotary), rows(list(static)), torch.tensor(rotary, dtype=torch.long)
+
+
+def _decoupled_spectra(weight, n_kv_heads, static, pair_weight, moment, static_row_weight):
+    """(complex spectrum of the rotary part (|R|, k), real spectrum of the static part)."""
+    w = weight.double()
+    rot_rows, st_rows, rotary = static_split(n_kv_heads, w.shape[0] // n_kv_heads, static)
+    pairs = select_freqs(pair_weight, rotary)
+    s_rot = pair_weighted_moment_spectrum(w[rot_rows], n_kv_heads, pairs, moment)
+    return s_rot, weighted_spectrum(w[st_rows], static_row_weight, moment)
+
+
+def _per_dim(s_rot: torch.Tensor, s_static: torch.Tensor) -> list[tuple[float, int, int]]:
+    """Components by error removed per cache dim, best first: (σ²/dims, dims, index). A complex
+    component spans two real dims of energy |s|² together; a static one, one dim."""
+    comps = [(float(v) ** 2 / 2, 2, i) for i, v in enumerate(s_rot.reshape(-1))]
+    comps += [(float(v) ** 2, 1, i) for i, v in enumerate(s_static)]
+    return sorted(comps, key=lambda c: -c[0])
+
+
+def decoupled_spectrum(weight, n_kv_heads, static, pair_weight=None, moment=None, static_row_weight=None):
+    """The key latent's spectrum per cache dim (descending, cost 1 each) for budget allocation:
+    each complex component of the rotary part as two dims of |s|/√2, each static one as itself."""
+    s_rot, s_static = _decoupled_spectra(weight, n_kv_heads, static, pair_weight, moment, static_row_weight)
+    values = [value for value, dims, _ in _per_dim(s_rot, s_static) for _ in range(dims)]
+    return torch.tensor(values, dtype=torch.float64).sqrt()
+
+
+def decoupled_rope_factor(
+    weight: torch.Tensor,
+    n_kv_heads: int,
+    rank: int,
+    static: tuple[int, ...],
+    pair_weight: torch.Tensor | None = None,
+    moment: torch.Tensor | None = None,
+    static_row_weight: torch.Tensor | None = None,
+) -> Factor:
+    """Rank-`rank` RoPE key latent [rotary pairs (2P) | static NoPE dims (n)] under the weighted error.
+
+    The frequencies in `static` turn so little over the model's span that they are cached
+    unrotated: their key rows (all heads) are factored together by `weighted_factor`, free of
+    the one-frequency-per-pair constraint; the others by `weighted_rope_factor`. The `rank` dims
+    go to whichever components remove the most weighted error per dim (a complex component
+    costs two). `freq_index` (P,) covers the first 2P dims; RoPE of the latent leaves the rest.
+    static_row_weight: the row weight of the static rows (`static_split`), e.g. Fisher's.
+    """
+    w = weight.double()
+    rows, cols = w.shape
+    rot_rows, st_rows, rotary = static_split(n_kv_heads, rows // n_kv_heads, static)
+    s_rot, s_static = _decoupled_spectra(w, n_kv_heads, static, pair_weight, moment, static_row_weight)
+    left, n_pairs, n_static = rank, 0, 0
+    for _, dims, _ in _per_dim(s_rot, s_static):
+        if dims <= left:
+            left -= dims
+            n_pairs, n_static = n_pairs + (dims == 2), n_static + (dims == 1)
+    up, down = torch.zeros(rows, rank, dtype=torch.float64), torch.zeros(rank, cols, dtype=torch.float64)
+    kept, freq = [], torch.zeros(0, dtype=torch.long)
+    if n_pairs:
+        pairs = select_freqs(pair_weight, rotary)
+        rot = weighted_rope_factor(w[rot_rows], n_kv_heads, 2 * n_pairs, pairs, moment)
+        up[rot_rows, : 2 * n_pairs], down[: 2 * n_pairs], freq = rot.up, rot.down, rotary[rot.freq_index]
+        kept.append(rot.kept)
+    if n_static:
+        nope = weighted_factor(w[st_rows], n_static, static_row_weight, moment)
+        up[st_rows, 2 * n_pairs : 2 * n_pairs + n_static] = nope.up
+        down[2 * n_pairs : 2 * n_pairs + n_static] = nope.down
+        kept.append(nope.kept)
+    # `left` (at most one dim, when only complex components remained) stays a zero latent dim
+    singular = torch.cat([s_rot.reshape(-1), s_static])
+    kept = torch.cat(kept) if kept else singular[:0]
+    return Factor(up=up, down=down, singular_values=singular, kept=kept, freq_index=freq)

@@ -194,10 +194,12 @@ def _check_freq_index(entry: dict, field: str, mla: dict, where: str) -> None:
         return
     rank_k, partial = entry["rank_k"], mla.get("rotary_dim")
     half = (partial or mla["head_dim"]) // 2
-    if partial is None and rank_k % 2:
+    static = (mla.get("compression") or {}).get("static_freqs")
+    if partial is None and not static and rank_k % 2:
         raise refuse(where, f"{field}.rank_k", rank_k, ("is odd", "an even rank (RoPE pairs)"), RECONVERT)
-    # partial RoPE: the latent is [rotated pairs | NoPE dims], so its pairs take at most rank_k dims
-    fits = isinstance(freq, list) and (2 * len(freq) <= rank_k if partial else len(freq) == rank_k // 2)
+    # partial RoPE, or static frequencies cached as NoPE (compression): the latent is
+    # [rotated pairs | NoPE dims], so its pairs take at most rank_k dims
+    fits = isinstance(freq, list) and (2 * len(freq) <= rank_k if partial or static else len(freq) == rank_k // 2)
     if not fits or any(isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < half for j in freq):
         count = f"at most rank_k/2={rank_k // 2}" if partial else f"rank_k/2={rank_k // 2}"
         want = f"a list of {count} frequency indices below {'rotary_dim' if partial else 'head_dim'}/2={half}"
