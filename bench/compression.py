@@ -47,6 +47,12 @@ def parse_args(argv=None):
         default=None,
         help="absorbed layout: compare these --nope-angle values side by side (e.g. 0,0.75); default the option's",
     )
+    p.add_argument(
+        "--calibrations",
+        default=None,
+        help="--calibration values to compare side by side (original, sequential); default the option's own "
+        "default per layout; svd rows run once",
+    )
     p.add_argument("--out", type=Path, default=HERE / "results" / "compression.json")
     return p.parse_args(argv)
 
@@ -56,9 +62,9 @@ def token_ids(tokenizer, book: str, n: int) -> torch.Tensor:
     return torch.tensor(ids)[None]
 
 
-def run_one(model, calib_ids, eval_ids, window, method, layout, ratio, nope_angle=None) -> dict:
+def run_one(model, calib_ids, eval_ids, window, method, layout, ratio, nope_angle=None, calibration="original") -> dict:
     t0 = time.perf_counter()
-    options = dict(layout=layout, kv_cache_ratio=ratio if ratio < 1 else None)
+    options = dict(layout=layout, kv_cache_ratio=ratio if ratio < 1 else None, calibration=calibration)
     options |= {} if nope_angle is None else {"nope_angle": nope_angle}
     if ratio < 1:
         options |= dict(method=method, calib=calib_ids if method != "svd" else None, calib_tokens=calib_ids.shape[-1])
@@ -77,6 +83,7 @@ def run_one(model, calib_ids, eval_ids, window, method, layout, ratio, nope_angl
         "ranks_v": [l["rank_v"] for l in state.config["mla"]["layers"]],
         "nope_angle": comp.get("nope_angle", 0.0) if layout == "absorbed" and ratio < 1 else None,
         "static_freqs": comp.get("static_freqs", []),
+        "calibration": comp.get("calibration") or "original",
         "ppl": ppl,
         "convert_s": convert_s,
     }
@@ -96,20 +103,23 @@ def main(argv=None):
     rows = []
     ratios = [float(r) for r in args.ratios.split(",")]
     angles = [None] if args.nope_angles is None else [float(a) for a in args.nope_angles.split(",")]
+    calibrations = [None] if args.calibrations is None else args.calibrations.split(",")
     runs = [
-        (layout, ratio, method, angle)
+        (layout, ratio, method, angle, calibration)
         for layout in args.layouts.split(",")
         for ratio in ratios
         for method in (args.methods.split(",") if ratio < 1 else ["exact"])
         for angle in (angles if layout == "absorbed" and ratio < 1 else [None])
+        for calibration in (calibrations if method in ("whitened", "fisher") else [None])
     ]
-    for layout, ratio, method, angle in runs:
-        row = run_one(model, calib_ids, eval_ids, args.window, method, layout, ratio, angle)
+    for layout, ratio, method, angle, calibration in runs:
+        row = run_one(model, calib_ids, eval_ids, args.window, method, layout, ratio, angle, calibration)
         row["ppl_ratio"] = row["ppl"] / base
         row["target"] = TARGETS.get(ratio)
         rows.append(row)
         print(
-            f"{layout:9s} {ratio:5.2f} {row['method']:9s} nope {row['nope_angle']} cache {row['achieved_ratio']:.4f} "
+            f"{layout:9s} {ratio:5.2f} {row['method']:9s} {row['calibration']:10s} nope {row['nope_angle']} "
+            f"cache {row['achieved_ratio']:.4f} "
             f"ppl {row['ppl']:9.3f} ×{row['ppl_ratio']:.3f} ({row['convert_s']:.0f}s)",
             flush=True,
         )
@@ -133,8 +143,12 @@ def markdown(result: dict) -> str:
         "| layout | method | " + " | ".join(f"{r:.0%} cache" for r in ratios) + " |",
         "|---|---|" + "---:|" * len(ratios),
     ]
-    variants = dict.fromkeys((r["layout"], r["method"], r.get("nope_angle")) for r in rows if r["method"] != "exact")
-    for layout, method, angle in variants:
+    variants = dict.fromkeys(
+        (r["layout"], r["method"], r.get("nope_angle"), r.get("calibration", "original"))
+        for r in rows
+        if r["method"] != "exact"
+    )
+    for layout, method, angle, calibration in variants:
         cells = []
         for ratio in ratios:
             hit = [
@@ -142,10 +156,18 @@ def markdown(result: dict) -> str:
                 for r in rows
                 if r["layout"] == layout
                 and r["ratio"] == ratio
-                and (r["method"] == "exact" or (r["method"] == method and r.get("nope_angle") == angle))
+                and (
+                    r["method"] == "exact"
+                    or (
+                        r["method"] == method
+                        and r.get("nope_angle") == angle
+                        and r.get("calibration", "original") == calibration
+                    )
+                )
             ]
             cells.append(f"{hit[0]['ppl']:.2f} (×{hit[0]['ppl_ratio']:.3f})" if hit else "")
         label = method if angle is None else f"{method}, --nope-angle {angle:g}"
+        label += ", sequential" if calibration == "sequential" else ""
         lines.append(f"| {layout} | {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

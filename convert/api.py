@@ -80,15 +80,21 @@ def _calibration(source, spec: AttentionSpec, opts: ConvertOptions):
         )
     config = source.config or {}
     source = getattr(source, "module_source", source)  # as the original model's modules read it (Phi-3: unsplit)
-    ids = opts.calib
-    if not isinstance(ids, torch.Tensor):
-        root = getattr(source, "root", Path(opts.calib).parent)
-        ids = text_token_ids(Path(opts.calib), root, config["vocab_size"], opts.calib_tokens, what="--calib")
-    ids = ids[:, : opts.calib_tokens]
+    ids = _calib_ids(source, opts)
     if opts.resolved_method == "fisher":
         progress = _bar("calibrating (Fisher)", "window", opts.progress)
         return compress.fisher_calibrate(_whole_model(source, config), ids, progress=progress)
     return compress.calibrate(source, config, ids, spec.n_layers, progress=_bar("calibrating", "layer", opts.progress))
+
+
+def _calib_ids(source, opts: ConvertOptions) -> torch.Tensor:
+    """The calibration token ids (1, N ≤ --calib-tokens): given, or --calib tokenized."""
+    ids = opts.calib
+    if not isinstance(ids, torch.Tensor):
+        root = getattr(source, "root", Path(opts.calib).parent)
+        vocab = (source.config or {})["vocab_size"]
+        ids = text_token_ids(Path(opts.calib), root, vocab, opts.calib_tokens, what="--calib")
+    return ids[:, : opts.calib_tokens]
 
 
 def _bar(desc: str, unit: str, progress: bool):
@@ -176,6 +182,7 @@ def _compression_section(plan: ConversionPlan, opts: ConvertOptions) -> dict | N
         "achieved_ratio": plan.cache_dims / plan.gqa_cache_dims,
         "calib": None if calib is None else str(calib),
         "calib_tokens": opts.calib_tokens if calib is not None else None,
+        "calibration": opts.resolved_calibration if calib is not None else None,
     } | (
         {"static_freqs": list(plan.spec.static_freqs), "nope_angle": opts.nope_angle} if plan.spec.static_freqs else {}
     )
@@ -187,15 +194,42 @@ def _compression_section(plan: ConversionPlan, opts: ConvertOptions) -> dict | N
 def _convert_layers(source, plan: ConversionPlan, opts: ConvertOptions, stats, sink) -> list[LayerInfo]:
     """Convert layer by layer, handing each output tensor (cast to the checkpoint's dtype) to `sink`."""
     spec, infos = plan.spec, []
+    sequential = _sequential(source, plan, opts, stats)
     for layer in _bar("converting", "layer", opts.progress)(range(spec.n_layers)):
         weights = read_layer(source, spec, layer)
         weighting = layer_weighting(spec, opts, stats, weights, layer)
+        if sequential is not None:
+            weighting = _sequential_weighting(
+                weighting, sequential.stats(layer), spec.rope and weights.k_bias is not None
+            )
         tensors, info = convert_layer(weights, spec, opts.latent, opts.layout, plan.layers[layer].ranks, weighting)
         prefix = spec.prefix(layer)
         for name in plan.layers[layer].shapes:
             sink(prefix + name, tensors[name].to(plan.dtype).contiguous())
         infos.append(info)
+        if sequential is not None:
+            mla = output_config(source.config, plan, opts, infos)["mla"]
+            sequential.advance(layer, mla, {name: tensors[name] for name in plan.layers[layer].shapes})
     return infos
+
+
+def _sequential(source, plan: ConversionPlan, opts: ConvertOptions, stats):
+    """The two-stream calibration of `--calibration sequential` (None when not asked or nothing is compressed)."""
+    if opts.resolved_calibration != "sequential" or stats is None or not opts.lossy:
+        return None
+    from convert.compress.sequential import SequentialCalibration
+
+    module_source = getattr(source, "module_source", source)
+    return SequentialCalibration(module_source, source.config or {}, _calib_ids(module_source, opts))
+
+
+def _sequential_weighting(weighting, layer_stats, affine_key: bool):
+    """The layer's weighting with its input moments measured in the compressed model, and the cross
+    moments that refit its up-projections to the original layer's outputs (Fisher rows unchanged)."""
+    key_moment, key_cross = layer_stats.augmented() if affine_key else (layer_stats.moment, layer_stats.cross)
+    weighting.key_moment, weighting.key_cross = key_moment, key_cross
+    weighting.value_moment, weighting.value_cross = layer_stats.moment, layer_stats.cross
+    return weighting
 
 
 def _plan(source, config: dict | None, opts: ConvertOptions, verifying: bool):

@@ -21,6 +21,7 @@ DEVICES = ("auto", "cpu", "cuda")
 E2E_MODES = ("auto", "whole", "streamed")
 METHODS = ("svd", "whitened", "fisher")
 ALLOCATIONS = ("uniform", "global")
+CALIBRATIONS = ("original", "sequential")
 TORCH_DTYPES = {
     "float64": torch.float64,
     "float32": torch.float32,
@@ -174,6 +175,14 @@ class ConvertOptions(VerifyOptions):
         None, "Compression: real text to calibrate on (UTF-8); use a different text for --text.", kind=Path
     )
     calib_tokens: int = option(4096, "Tokens of --calib to use.")
+    calibration: str | None = option(
+        None,
+        "Compression: factor every layer on the original model's hidden states, or (sequential) on those "
+        "of the model compressed so far, refitting its up-projections to the original layer's keys and "
+        "values (GPTQ's order; one layer in memory). Default: sequential in the factored layout, original "
+        "in the absorbed one (what measured best).",
+        choices=CALIBRATIONS,
+    )
     nope_angle: float = option(
         0.75,
         "Absorbed compression with RoPE: key frequencies that turn less than this many radians over "
@@ -231,6 +240,14 @@ class ConvertOptions(VerifyOptions):
         return self.method or ("fisher" if self.calib is not None else "svd")
 
     @property
+    def resolved_calibration(self) -> str:
+        """sequential for the factored layout (measured better at 75/50/25% of the cache on SmolLM2),
+        original for the absorbed one (sequential is worse there below 75%): bench/compression.py."""
+        if self.calibration is not None:
+            return self.calibration
+        return "sequential" if self.layout == "factored" and self.resolved_method != "svd" else "original"
+
+    @property
     def resolved_allocation(self) -> str:
         return self.allocation or ("global" if self.resolved_method == "fisher" else "uniform")
 
@@ -259,6 +276,12 @@ class ConvertOptions(VerifyOptions):
             and (self.resolved_method != "svd" or self.resolved_allocation != "uniform")
         ):
             raise ConvertError("--latent joint compresses only with --method svd and uniform ranks; use --latent split")
+        if self.calibration is not None:
+            _choice("--calibration", self.calibration, CALIBRATIONS)
+        if self.calibration == "sequential" and self.lossy and self.resolved_method == "svd":
+            raise ConvertError(
+                "--calibration sequential refits on calibration text: pass --calib FILE (method whitened or fisher)"
+            )
         if not self.nope_angle >= 0:
             raise ConvertError(f"--nope-angle {self.nope_angle} must be a non-negative angle in radians (0: off)")
         if self.calib_tokens < 2:

@@ -95,10 +95,17 @@ class LayerStream:
         """The rotary embedding of `layer` (Gemma 3: its layer type's), (x, positions) -> (cos, sin)."""
         return layer_rotary(self.rotary, self.ref_config, layer)
 
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """(B, L) ids -> (B, L, D) hidden states entering layer 0 (Gemma: embeddings × √D, as its model does)."""
+        hidden = embedding_rows(self.checkpoint, self.arch.embed, token_ids).to(self.device, self.dtype)
+        if self.arch.gemma_scores:
+            hidden = hidden * torch.tensor(self.ref_config.hidden_size**0.5, dtype=self.dtype)
+        return hidden
+
     def run(self, token_ids: torch.Tensor, n_layers: int, progress=iter):
         """Yield (layer, x, decoder, (positions, rotary, mask)) for each layer, x (B, L, D)
         the normed hidden states entering its attention; advances when resumed."""
-        hidden = embedding_rows(self.checkpoint, self.arch.embed, token_ids).to(self.device, self.dtype)  # (B, L, D)
+        hidden = self.embed(token_ids)  # (B, L, D)
         for layer in progress(range(n_layers)):
             build = functools.partial(self.decoder_cls, self.ref_config, layer)
             decoder = materialize(build, self.checkpoint, f"model.layers.{layer}.", self.device, self.dtype)

@@ -100,12 +100,13 @@ def _key_factor(w: LayerWeights, spec: AttentionSpec, layout: str, rank: int | N
     if per_frequency and spec.rotary_dim is not None:  # exact only (plan refuses a lower rank)
         return partial_rope_factor(keys, spec.n_kv_heads, spec.rotary_dim), affine
     if per_frequency and spec.static_freqs:  # compressed: [rotary pairs | static frequencies as NoPE]
-        weights = [getattr(weighting, f, None) for f in ("key_pairs", "key_moment", "key_static_rows")]
+        weights = [getattr(weighting, f, None) for f in ("key_pairs", "key_moment", "key_static_rows", "key_cross")]
         return decoupled_rope_factor(keys, spec.n_kv_heads, rank, spec.static_freqs, *weights), affine
     if weighting is not None:
         if per_frequency:
-            return weighted_rope_factor(keys, spec.n_kv_heads, rank, weighting.key_pairs, weighting.key_moment), affine
-        return weighted_factor(keys, rank, weighting.key_rows, weighting.key_moment), affine
+            pairs, moment, cross = weighting.key_pairs, weighting.key_moment, weighting.key_cross
+            return weighted_rope_factor(keys, spec.n_kv_heads, rank, pairs, moment, cross), affine
+        return weighted_factor(keys, rank, weighting.key_rows, weighting.key_moment, weighting.key_cross), affine
     if per_frequency:
         return rope_factor(keys, spec.n_kv_heads, rank), affine
     return real_factor(keys, rank), affine
@@ -113,7 +114,7 @@ def _key_factor(w: LayerWeights, spec: AttentionSpec, layout: str, rank: int | N
 
 def _value_factor(w: LayerWeights, rank: int | None, weighting) -> Factor:
     if weighting is not None:
-        return weighted_factor(w.v, rank, weighting.value_rows, weighting.value_moment)
+        return weighted_factor(w.v, rank, weighting.value_rows, weighting.value_moment, weighting.value_cross)
     return real_factor(w.v, rank)
 
 

@@ -29,6 +29,8 @@ class Weighting:
     value_moment: torch.Tensor | None = None  # (D, D)
     value_rows: torch.Tensor | None = None  # (G·d, G·d)
     key_static_rows: torch.Tensor | None = None  # (2·G·|S|,)² rows of the static frequencies S (NoPE part)
+    key_cross: torch.Tensor | None = None  # E[y° yᵀ] (X, X): sequential calibration, original vs compressed inputs
+    value_cross: torch.Tensor | None = None  # (D, D)
 
 
 def layer_weighting(

@@ -24,12 +24,16 @@ def psd_sqrt(m: torch.Tensor) -> torch.Tensor:
     return (vecs * vals.clamp(min=0).sqrt()) @ vecs.T
 
 
-def _refit_up(weight: torch.Tensor, down: torch.Tensor, moment: torch.Tensor) -> torch.Tensor:
-    """argmin_up E‖(W − up·down) y‖² = W M downᴴ (down M downᴴ)⁻¹."""
+def _refit_up(weight: torch.Tensor, down: torch.Tensor, moment: torch.Tensor, cross=None) -> torch.Tensor:
+    """argmin_up E‖W y° − up·down y‖² = W C downᴴ (down M downᴴ)⁻¹, M = E[y yᴴ], C = E[y° yᴴ].
+
+    y° is what the original layer sees, y what the compressed model feeds this one
+    (sequential calibration); without `cross` they are the same inputs and C = M."""
     m = moment.to(down.dtype)
+    c = m if cross is None else cross.to(down.dtype)
     gram = down @ m @ down.mH  # (r, r)
     ridge = 1e-12 * gram.diagonal().real.mean().clamp(min=1e-300) * torch.eye(gram.shape[0], dtype=gram.dtype)
-    return torch.linalg.solve(gram + ridge, (weight.to(down.dtype) @ m @ down.mH).mH).mH
+    return torch.linalg.solve(gram + ridge, (weight.to(down.dtype) @ c @ down.mH).mH).mH
 
 
 def weighted_spectrum(
@@ -45,17 +49,22 @@ def _weighted(weight, row_weight, moment):
 
 
 def weighted_factor(
-    weight: torch.Tensor, rank: int, row_weight: torch.Tensor | None = None, moment: torch.Tensor | None = None
+    weight: torch.Tensor,
+    rank: int,
+    row_weight: torch.Tensor | None = None,
+    moment: torch.Tensor | None = None,
+    cross: torch.Tensor | None = None,
 ) -> Factor:
     """Rank-`rank` factorization of weight (m, X) minimizing ‖B (W − up·down) M^{1/2}‖.
 
-    row_weight: B (m, m) or None; moment: M (X, X) or None (plain SVD).
+    row_weight: B (m, m) or None; moment: M (X, X) or None (plain SVD); cross: E[y° yᵀ]
+    when the original layer's inputs y° differ from these (`_refit_up`).
     """
     w = weight.double()
     u, s, _ = torch.linalg.svd(_weighted(w, row_weight, moment), full_matrices=False)
     down = u[:, :rank].T @ (w if row_weight is None else row_weight @ w)  # (r, X)
     up = (
-        _refit_up(w, down, moment)
+        _refit_up(w, down, moment, cross)
         if moment is not None
         else u[:, :rank]
         if row_weight is None
@@ -122,6 +131,7 @@ def weighted_rope_factor(
     rank: int,
     pair_weight: torch.Tensor | None = None,
     moment: torch.Tensor | None = None,
+    cross: torch.Tensor | None = None,
 ) -> Factor:
     """Rank-`rank` RoPE key latent (per-frequency complex, see `rope_factor`) under the weighted error.
 
@@ -138,19 +148,19 @@ def weighted_rope_factor(
     u_sel = u[j, :, t]  # (P, G) left directions in the weighted space
     b = _row_weighted(a, pair_weight)
     down_c = torch.einsum("pg,pgx->px", u_sel.conj(), b[j])  # (P, X): U_rᴴ diag(w) A_j
-    up_c = _refit_pairs(a, down_c, j, moment)  # (P, G)
+    up_c = _refit_pairs(a, down_c, j, moment, cross)  # (P, G)
     down = torch.cat([down_c.real, down_c.imag])  # (2P, X)
     up = _rotation_blocks(up_c, j, weight.shape[0] // n_kv_heads)
     return Factor(up=up, down=down, singular_values=s.reshape(-1), kept=s[j, t], freq_index=j)
 
 
-def _refit_pairs(a: torch.Tensor, down_c: torch.Tensor, freq: torch.Tensor, moment) -> torch.Tensor:
+def _refit_pairs(a: torch.Tensor, down_c: torch.Tensor, freq: torch.Tensor, moment, cross=None) -> torch.Tensor:
     """Per frequency, least-squares complex up-projection for the kept latent rows."""
     m = torch.eye(a.shape[-1], dtype=a.dtype) if moment is None else moment.to(a.dtype)
     up = torch.zeros(down_c.shape[0], a.shape[1], dtype=a.dtype)  # (P, G)
     for j in freq.unique():
         rows = (freq == j).nonzero()[:, 0]
-        up[rows] = _refit_up(a[j], down_c[rows], m).T
+        up[rows] = _refit_up(a[j], down_c[rows], m, cross).T
     return up
 
 
@@ -206,6 +216,7 @@ def decoupled_rope_factor(
     pair_weight: torch.Tensor | None = None,
     moment: torch.Tensor | None = None,
     static_row_weight: torch.Tensor | None = None,
+    cross: torch.Tensor | None = None,
 ) -> Factor:
     """Rank-`rank` RoPE key latent [rotary pairs (2P) | static NoPE dims (n)] under the weighted error.
 
@@ -229,11 +240,11 @@ def decoupled_rope_factor(
     kept, freq = [], torch.zeros(0, dtype=torch.long)
     if n_pairs:
         pairs = select_freqs(pair_weight, rotary)
-        rot = weighted_rope_factor(w[rot_rows], n_kv_heads, 2 * n_pairs, pairs, moment)
+        rot = weighted_rope_factor(w[rot_rows], n_kv_heads, 2 * n_pairs, pairs, moment, cross)
         up[rot_rows, : 2 * n_pairs], down[: 2 * n_pairs], freq = rot.up, rot.down, rotary[rot.freq_index]
         kept.append(rot.kept)
     if n_static:
-        nope = weighted_factor(w[st_rows], n_static, static_row_weight, moment)
+        nope = weighted_factor(w[st_rows], n_static, static_row_weight, moment, cross)
         up[st_rows, 2 * n_pairs : 2 * n_pairs + n_static] = nope.up
         down[2 * n_pairs : 2 * n_pairs + n_static] = nope.down
         kept.append(nope.kept)

@@ -1,0 +1,78 @@
+"""Sequential calibration (GPTQ's order): each layer is compressed for the inputs it will see.
+
+One-shot calibration factors every layer on the original model's hidden states, so the
+errors of layers < ℓ are invisible to layer ℓ and compound through the depth. Here the
+calibration windows run through two models side by side, one decoder layer at a time: the
+original, and the model compressed so far (layers < ℓ with their converted attention).
+Layer ℓ's latents are then chosen for the compressed model's inputs y (their moment
+M = E[y yᵀ]) and its up-projections refit in closed form to reproduce the ORIGINAL layer's
+keys and values, W y°, from them (C = E[y° yᵀ]; `convert.linalg.weighted._refit_up`).
+Memory stays one decoder layer plus the two streams' hidden states.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from convert.compress.calibrate import windows
+from convert.mla.attention import build_mla_attention
+from convert.stream import LayerStream, materialize
+
+
+@dataclass
+class SequentialStats:
+    """Moments of one layer's attention inputs: y from the compressed model, y° from the original."""
+
+    moment: torch.Tensor  # E[y yᵀ] (D, D)
+    mean: torch.Tensor  # E[y] (D,)
+    cross: torch.Tensor  # E[y° yᵀ] (D, D)
+    mean_original: torch.Tensor  # E[y°] (D,)
+
+    def augmented(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(E[[y; 1][y; 1]ᵀ], E[[y°; 1][y; 1]ᵀ]) for an affine key latent (a bias column)."""
+        one = torch.ones(1, dtype=self.mean.dtype)
+        moment = torch.cat([torch.cat([self.moment, self.mean[:, None]], 1), torch.cat([self.mean, one])[None]])
+        cross = torch.cat([torch.cat([self.cross, self.mean_original[:, None]], 1), torch.cat([self.mean, one])[None]])
+        return moment, cross
+
+
+class SequentialCalibration:
+    """The calibration windows' hidden states in the original model and in the compressed one."""
+
+    def __init__(self, checkpoint, config: dict, token_ids: torch.Tensor, window: int = 1024, dtype=torch.float32):
+        rows = windows(token_ids, min(window, token_ids.shape[-1]))  # (B, L)
+        self.stream = LayerStream(checkpoint, config, torch.device("cpu"), dtype)
+        self.original = self.stream.embed(rows)  # (B, L, D)
+        self.compressed = self.original.clone()
+        self.decoder = None
+
+    def _normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.decoder.input_layernorm(hidden) if self.stream.arch.pre_norm else hidden
+
+    def stats(self, layer: int) -> SequentialStats:
+        """Load layer `layer` and measure its inputs in both models."""
+        prefix = f"model.layers.{layer}."
+        build = lambda: self.stream.decoder_cls(self.stream.ref_config, layer)
+        self.decoder = materialize(build, self.stream.checkpoint, prefix, self.stream.device, self.stream.dtype)
+        with torch.no_grad():
+            y = self._normed(self.compressed).reshape(-1, self.compressed.shape[-1]).double()  # (B·L, D)
+            y0 = self._normed(self.original).reshape(-1, self.original.shape[-1]).double()
+        n = y.shape[0]
+        return SequentialStats(y.T @ y / n, y.mean(0), y0.T @ y / n, y0.mean(0))
+
+    def advance(self, layer: int, mla: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Run layer `layer` in both models: the original's attention, then the converted one."""
+        positions, rotary, mask = self.stream.inputs(layer, self.original)
+        run = lambda h: self.decoder(h, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
+        with torch.no_grad():
+            self.original = _hidden(run(self.original))
+            window = getattr(self.decoder.self_attn, "sliding_window", None)
+            tensors = {name: t.to(self.stream.dtype) for name, t in tensors.items()}
+            rope = self.stream.layer_rotary(layer)
+            self.decoder.self_attn = build_mla_attention(mla, layer, tensors, rotary=rope, sliding_window=window)
+            self.compressed = _hidden(run(self.compressed))
+        self.decoder = None
+
+
+def _hidden(out):
+    return out[0] if isinstance(out, tuple) else out
