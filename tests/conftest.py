@@ -50,6 +50,22 @@ def rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return float((approx - exact).norm() / exact.norm())
 
 
+def random_ids(batch: int = 2, length: int = 24, seed: int = 3) -> torch.Tensor:
+    """(batch, length) random token ids below 128 (the tiny models' vocabulary)."""
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_same_as_transformers(model, converted, tol: float, ids: torch.Tensor | None = None) -> None:
+    """The converted model's logits within `tol` (relative, Frobenius) of the original's, and 24
+    greedy tokens from an 8-token prompt identical."""
+    ids = random_ids() if ids is None else ids
+    with torch.no_grad():
+        ref, got = model(ids).logits, converted(ids).logits
+    assert rel_err(got, ref) <= tol
+    kwargs = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(converted.generate(ids[:1, :8], **kwargs), model.generate(ids[:1, :8], **kwargs))
+
+
 def hf_model(model_type: str, seed: int = 0, dtype=torch.float32, random_biases: bool = True, **overrides):
     """`tiny_hf_model`, with random (non-zero) attention biases, ready to be a reference.
 

@@ -17,7 +17,7 @@ import convert
 from convert.cli import main
 from convert.plan import plan_for_config
 
-from conftest import hf_model
+from conftest import assert_same_as_transformers, hf_model, random_ids, rel_err
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-5}  # see the module docstring for float64
 
@@ -28,26 +28,13 @@ def gemma2(dtype=torch.float32, **overrides):
     return model
 
 
-def _ids(batch=2, length=24, seed=3):
-    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _rel(got, ref):
-    return float((got.double() - ref.double()).norm() / ref.double().norm())
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("layout", ["absorbed", "factored"])
 def test_logits_and_greedy_equal_transformers(dtype, layout):
     model = gemma2(dtype)
     assert model.config.sliding_window < 24 and model.config.attn_logit_softcapping == 5.0
     converted = convert.to_mla(model, layout=layout)
-    ids = _ids()
-    with torch.no_grad():
-        ref, got = model(ids).logits, converted(ids).logits
-    assert _rel(got, ref) <= TOL[dtype]
-    kwargs = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
-    assert torch.equal(converted.generate(ids[:1, :8], **kwargs), model.generate(ids[:1, :8], **kwargs))
+    assert_same_as_transformers(model, converted, TOL[dtype])
 
 
 def test_the_soft_cap_and_scale_are_carried():
@@ -57,9 +44,9 @@ def test_the_soft_cap_and_scale_are_carried():
     uncapped = convert.to_mla(model)
     for layer in uncapped.model.layers:
         layer.self_attn.softcap = None  # without the cap the logits move: the test above can fail
-    ids = _ids()
+    ids = random_ids()
     with torch.no_grad():
-        assert _rel(uncapped(ids).logits, model(ids).logits) > 1e-3
+        assert rel_err(uncapped(ids).logits, model(ids).logits) > 1e-3
 
 
 def test_cli_converts_and_verifies(tmp_path):

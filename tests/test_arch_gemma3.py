@@ -13,7 +13,7 @@ import convert
 from convert.cli import main
 from convert.plan import plan_for_config
 
-from conftest import hf_model
+from conftest import assert_same_as_transformers, hf_model, random_ids, rel_err
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 LAYOUTS = ("absorbed", "factored")
@@ -31,14 +31,6 @@ def gemma3(dtype=torch.float32, seed: int = 0):
     return model
 
 
-def _ids(batch: int = 2, length: int = 24, seed: int = 3) -> torch.Tensor:
-    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.double() - ref.double()).norm() / ref.double().norm())
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_logits_and_greedy_equal_transformers(dtype, layout):
@@ -47,12 +39,7 @@ def test_logits_and_greedy_equal_transformers(dtype, layout):
     assert rope["sliding_attention"]["rope_theta"] != rope["full_attention"]["rope_theta"]
     assert model.config.sliding_window < 24 and "full_attention" in model.config.layer_types
     converted = convert.to_mla(model, layout=layout)
-    ids = _ids()
-    with torch.no_grad():
-        ref, got = model(ids).logits, converted(ids).logits
-    assert _rel(got, ref) <= TOL[dtype]
-    kwargs = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
-    assert torch.equal(converted.generate(ids[:1, :8], **kwargs), model.generate(ids[:1, :8], **kwargs))
+    assert_same_as_transformers(model, converted, TOL[dtype])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -65,17 +52,17 @@ def test_each_layer_rotates_with_its_own_base(layout):
     converted = convert.to_mla(model, layout=layout)
     rotary = converted.model.rotary_emb
     assert layer_rotary(rotary, converted.config, 0).keywords == {"layer_type": "sliding_attention"}
-    ids = _ids()
+    ids = random_ids()
     with torch.no_grad():
         ref = model(ids).logits
-        assert _rel(converted(ids).logits, ref) <= TOL[torch.float32]
+        assert rel_err(converted(ids).logits, ref) <= TOL[torch.float32]
         global_cos_sin = converted.model.rotary_emb(
             converted.model.embed_tokens(ids), torch.arange(24)[None], "full_attention"
         )
         global_base = lambda module, args, kwargs: (args, kwargs | {"position_embeddings": global_cos_sin})
         for layer in converted.model.layers:  # every layer fed the global base's cos/sin
             layer.self_attn.register_forward_pre_hook(global_base, with_kwargs=True)
-        assert _rel(converted(ids).logits, ref) > 1e-3
+        assert rel_err(converted(ids).logits, ref) > 1e-3
 
 
 def test_norm_offset_is_carried():
@@ -86,9 +73,9 @@ def test_norm_offset_is_carried():
     converted = convert.to_mla(model)
     for layer in converted.model.layers:
         layer.self_attn.q_norm.unit_offset = layer.self_attn.k_norm.unit_offset = False  # weight, not 1 + weight
-    ids = _ids()
+    ids = random_ids()
     with torch.no_grad():
-        assert _rel(converted(ids).logits, model(ids).logits) > 1e-3
+        assert rel_err(converted(ids).logits, model(ids).logits) > 1e-3
 
 
 def test_cli_converts_verifies_and_streams(tmp_path):

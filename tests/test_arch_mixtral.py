@@ -15,7 +15,7 @@ import convert
 from convert.cli import main
 from convert.plan import plan_for_config
 
-from conftest import hf_model
+from conftest import assert_same_as_transformers, hf_model, random_ids, rel_err
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 LAYOUTS = ("absorbed", "factored")
@@ -26,25 +26,12 @@ def mixtral(dtype=torch.float32, seed: int = 0):
     return hf_model("mixtral", seed=seed, dtype=dtype)
 
 
-def _ids(batch: int = 2, length: int = 24, seed: int = 3) -> torch.Tensor:
-    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.double() - ref.double()).norm() / ref.double().norm())
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_logits_and_greedy_equal_transformers(layout, dtype):
     model = mixtral(dtype)
     converted = convert.to_mla(model, layout=layout)
-    ids = _ids()
-    with torch.no_grad():
-        ref, got = model(ids).logits, converted(ids).logits
-    assert _rel(got, ref) <= TOL[dtype]
-    kwargs = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
-    assert torch.equal(converted.generate(ids[:1, :8], **kwargs), model.generate(ids[:1, :8], **kwargs))
+    assert_same_as_transformers(model, converted, TOL[dtype])
 
 
 @pytest.fixture
@@ -75,9 +62,9 @@ def test_cli_converts_per_expert_checkpoint_and_passes_the_experts_through(saved
         )
         assert torch.equal(written[prefix + "experts.down_proj"], torch.stack([w[e, 2] for e in range(4)]))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # registered by `import convert`
-    ids = _ids()
+    ids = random_ids()
     with torch.no_grad():
-        assert _rel(loaded(ids).logits, model(ids).logits) <= TOL[torch.float32]
+        assert rel_err(loaded(ids).logits, model(ids).logits) <= TOL[torch.float32]
 
 
 def test_streamed_verification_equals_whole(saved, tmp_path):

@@ -13,7 +13,7 @@ import convert
 from convert.cli import main
 from convert.plan import plan_for_config
 
-from conftest import hf_model
+from conftest import assert_same_as_transformers, hf_model
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 LAYOUTS = ("absorbed", "factored")
@@ -24,26 +24,13 @@ def phi3(dtype=torch.float32, partial_rotary_factor: float = 0.75, seed: int = 0
     return hf_model("phi3", seed=seed, dtype=dtype, partial_rotary_factor=partial_rotary_factor)
 
 
-def _ids(batch: int = 2, length: int = 24, seed: int = 3) -> torch.Tensor:
-    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.double() - ref.double()).norm() / ref.double().norm())
-
-
 @pytest.mark.parametrize("factor", [0.75, 1.0], ids=["partial-rope", "full-rope"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_logits_and_greedy_equal_transformers(layout, dtype, factor):
     model = phi3(dtype, factor)
     converted = convert.to_mla(model, layout=layout)
-    ids = _ids()
-    with torch.no_grad():
-        ref, got = model(ids).logits, converted(ids).logits
-    assert _rel(got, ref) <= TOL[dtype]
-    kwargs = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
-    assert torch.equal(converted.generate(ids[:1, :8], **kwargs), model.generate(ids[:1, :8], **kwargs))
+    assert_same_as_transformers(model, converted, TOL[dtype])
 
 
 def test_partial_rope_latent_is_rotary_pairs_then_nope_dims():

@@ -16,7 +16,7 @@ import convert
 from convert.cli import main
 from convert.plan import gqa_cache_dims, plan_for_config
 
-from conftest import hf_model
+from conftest import hf_model, random_ids, rel_err
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 LAYOUTS = ("absorbed", "factored")
@@ -34,14 +34,6 @@ def qwen3(dtype=torch.float32, attention_bias: bool = False, seed: int = 0, fami
     return model
 
 
-def _ids(batch: int = 2, length: int = 24, seed: int = 3) -> torch.Tensor:
-    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.double() - ref.double()).norm() / ref.double().norm())
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
@@ -49,10 +41,10 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 def test_logits_equal_transformers(family, dtype, layout, bias):
     model = qwen3(dtype, attention_bias=bias, family=family)
     converted = convert.to_mla(model, layout=layout)
-    ids = _ids()
+    ids = random_ids()
     with torch.no_grad():
         ref, got = model(ids).logits, converted(ids).logits
-    assert _rel(got, ref) <= TOL[dtype]
+    assert rel_err(got, ref) <= TOL[dtype]
     # the norms matter: the same weights without them give different logits
     assert any("k_norm" in name for name, _ in converted.named_parameters())
 
@@ -62,7 +54,7 @@ def test_logits_equal_transformers(family, dtype, layout, bias):
 def test_greedy_generation_identical_with_a_latent_cache(family, layout):
     model = qwen3(family=family)
     converted = convert.to_mla(model, layout=layout)
-    prompt = _ids(1, 8)
+    prompt = random_ids(1, 8)
     kwargs = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
     want = model.generate(prompt, **kwargs)
     got = converted.generate(prompt, **kwargs)
@@ -89,9 +81,9 @@ def test_cli_converts_and_verifies_a_directory(tmp_path, family):
     from transformers import AutoModelForCausalLM
 
     auto = AutoModelForCausalLM.from_pretrained(out)
-    ids = _ids()
+    ids = random_ids()
     with torch.no_grad():
-        assert _rel(auto(ids).logits, model(ids).logits) < 1e-5
+        assert rel_err(auto(ids).logits, model(ids).logits) < 1e-5
 
 
 def _refused(tmp_path, *args, must_name=()):

@@ -23,16 +23,26 @@ class TensorRule:
     when: str = "always"
 
 
-def _llama_tensors(attention_bias: dict[str, str], norms: tuple[str, ...] = ("input", "post_attention")):
-    """The tensors of a Llama-style decoder (Llama, Mistral, Qwen2, Qwen3: same names and shapes;
-    OLMo 2: the same with its norms after attention and MLP instead of before)."""
-    layer = "model.layers.{i}."
-    d, v, inner = "hidden_size", "vocab_size", "intermediate_size"
-    rules = [
+_LAYER = "model.layers.{i}."
+
+
+def _model_tensors(norms: tuple[str, ...]) -> list[TensorRule]:
+    """Embedding, final norm, lm_head (unless tied) and each layer's `{norm}_layernorm`s."""
+    d, v = "hidden_size", "vocab_size"
+    return [
         TensorRule("model.embed_tokens.weight", (v, d)),
         TensorRule("model.norm.weight", (d,)),
         TensorRule("lm_head.weight", (v, d), "untied"),
-        *(TensorRule(f"{layer}{norm}_layernorm.weight", (d,)) for norm in norms),
+        *(TensorRule(f"{_LAYER}{norm}_layernorm.weight", (d,)) for norm in norms),
+    ]
+
+
+def _llama_tensors(attention_bias: dict[str, str], norms: tuple[str, ...] = ("input", "post_attention")):
+    """The tensors of a Llama-style decoder (Llama, Mistral, Qwen2, Qwen3: same names and shapes;
+    OLMo 2: the same with its norms after attention and MLP instead of before)."""
+    layer = _LAYER
+    d, inner = "hidden_size", "intermediate_size"
+    rules = _model_tensors(norms) + [
         TensorRule(layer + "mlp.gate_proj.weight", (inner, d)),
         TensorRule(layer + "mlp.up_proj.weight", (inner, d)),
         TensorRule(layer + "mlp.down_proj.weight", (d, inner)),
@@ -146,35 +156,25 @@ _GEMMA_NORMS = ("input", "post_attention", "pre_feedforward", "post_feedforward"
 def _phi3_tensors() -> tuple[TensorRule, ...]:
     """Phi-3's decoder: Llama's norms, a fused `gate_up_proj` [gate | up] and no attention biases
     (a fused `qkv_proj.bias` would be dropped by the split, so it is refused by name)."""
-    layer = "model.layers.{i}."
-    d, v = "hidden_size", "vocab_size"
+    d = "hidden_size"
     return (
-        TensorRule("model.embed_tokens.weight", (v, d)),
-        TensorRule("model.norm.weight", (d,)),
-        TensorRule("lm_head.weight", (v, d), "untied"),
-        TensorRule(layer + "input_layernorm.weight", (d,)),
-        TensorRule(layer + "post_attention_layernorm.weight", (d,)),
-        TensorRule(layer + "mlp.gate_up_proj.weight", ("gate_up_size", d)),
-        TensorRule(layer + "mlp.down_proj.weight", (d, "intermediate_size")),
-        *(TensorRule(f"{layer}self_attn.{p}_proj.bias", None, "never") for p in ("q", "k", "v", "o", "qkv")),
+        *_model_tensors(("input", "post_attention")),
+        TensorRule(_LAYER + "mlp.gate_up_proj.weight", ("gate_up_size", d)),
+        TensorRule(_LAYER + "mlp.down_proj.weight", (d, "intermediate_size")),
+        *(TensorRule(f"{_LAYER}self_attn.{p}_proj.bias", None, "never") for p in ("q", "k", "v", "o", "qkv")),
     )
 
 
 def _mixtral_tensors() -> tuple[TensorRule, ...]:
     """Mixtral's decoder as transformers' modules hold it (a checkpoint's per-expert w1/w2/w3 are read
     stacked, `convert.layouts`): the router and the stacked experts, passed through untouched."""
-    layer = "model.layers.{i}."
-    d, v, e, inner = "hidden_size", "vocab_size", "num_local_experts", "intermediate_size"
+    d, e = "hidden_size", "num_local_experts"
     return (
-        TensorRule("model.embed_tokens.weight", (v, d)),
-        TensorRule("model.norm.weight", (d,)),
-        TensorRule("lm_head.weight", (v, d), "untied"),
-        TensorRule(layer + "input_layernorm.weight", (d,)),
-        TensorRule(layer + "post_attention_layernorm.weight", (d,)),
-        TensorRule(layer + "mlp.gate.weight", (e, d)),
-        TensorRule(layer + "mlp.experts.gate_up_proj", (e, "gate_up_size", d)),
-        TensorRule(layer + "mlp.experts.down_proj", (e, d, inner)),
-        *(TensorRule(f"{layer}self_attn.{p}_proj.bias", None, "never") for p in "qkvo"),
+        *_model_tensors(("input", "post_attention")),
+        TensorRule(_LAYER + "mlp.gate.weight", (e, d)),
+        TensorRule(_LAYER + "mlp.experts.gate_up_proj", (e, "gate_up_size", d)),
+        TensorRule(_LAYER + "mlp.experts.down_proj", (e, d, "intermediate_size")),
+        *(TensorRule(f"{_LAYER}self_attn.{p}_proj.bias", None, "never") for p in "qkvo"),
     )
 
 
@@ -212,19 +212,8 @@ ARCHS: dict[str, ArchSpec] = {
     "mixtral": dataclasses.replace(_hf("mixtral", "MixtralAttention", _MISTRAL_BIAS), tensors=_mixtral_tensors()),
     # Phi-3 (and Phi-3.5 / Phi-4-mini, which share model_type phi3): q, k and v fused in qkv_proj,
     # gate and up fused in gate_up_proj (passed through), partial RoPE where the config has it.
-    "phi3": ArchSpec(
-        name="phi3",
-        model_types=("phi3",),
-        layer_prefixes=("model.layers.{i}.self_attn.",),
-        q="q_proj",
-        k="k_proj",
-        v="v_proj",
-        o="o_proj",
-        head_map="grouped",
-        rope="rotate_half",
-        causal=True,
-        hf_attention="transformers.models.phi3.modeling_phi3:Phi3Attention",
-        embed="model.embed_tokens.weight",
+    "phi3": dataclasses.replace(
+        _hf("phi3", "Phi3Attention", _MISTRAL_BIAS),
         tensors=_phi3_tensors(),
         fused_qkv="qkv_proj",
         partial_rotary=True,
