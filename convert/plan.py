@@ -310,7 +310,7 @@ def resolve_spec(source, config: dict | None, opts: ConvertOptions) -> Attention
             f"--target {opts.target} writes DeepSeek-V3's MLP (gate_proj, up_proj), and {spec.arch.name}'s fused "
             "gate_up_proj is not split for it; use --target mla (the default), which keeps the MLP as it is"
         )
-    lossy = opts.rank is not None or (opts.kv_cache_ratio is not None and opts.kv_cache_ratio < 1)
+    lossy = _compresses(source, spec, opts)
     if spec.rotary_dim is not None and opts.layout == "absorbed" and lossy:
         raise ConvertError(
             f"compressing partial RoPE (the first {spec.rotary_dim} of head_dim={spec.head_dim} dims rotate) in the "
@@ -320,6 +320,13 @@ def resolve_spec(source, config: dict | None, opts: ConvertOptions) -> Attention
     if spec.rope and opts.layout == "absorbed" and lossy and opts.latent == "split" and opts.nope_angle > 0:
         spec = dataclasses.replace(spec, static_freqs=static_frequencies(spec, config or {}, opts.nope_angle))
     return spec
+
+
+def _compresses(source, spec: AttentionSpec, opts: ConvertOptions) -> bool:
+    """Whether the options ask for less than the exact ranks (an explicit exact --rank does not)."""
+    if opts.rank is not None and opts.latent == "split":
+        return any(opts.rank < limit for limit in _exact_layer_ranks(source, spec, 0, opts).values())
+    return opts.lossy
 
 
 #: The span over which a frequency must turn less than --nope-angle to be cached as NoPE.

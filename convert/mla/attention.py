@@ -178,12 +178,16 @@ class MLAAttention(nn.Module):
         up = self.k_up.weight.view(self.n_heads, self.head_dim, self.rank_k)  # (H, d, r_K)
         return torch.einsum("bhld,hdr->bhlr", self._query_heads(x), up)
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, cache=None, **kwargs
+    ):
+        # the KV cache: `cache` from transformers 5.24 on, `past_key_values` before
+        cache = cache if cache is not None else past_key_values
         if self.layout == "absorbed":
-            out = self._absorbed(hidden_states, position_embeddings, attention_mask, past_key_values)
+            out = self._absorbed(hidden_states, position_embeddings, attention_mask, cache)
         else:
             positions = kwargs.get("position_ids")
-            out = self._factored(hidden_states, position_embeddings, attention_mask, past_key_values, positions)
+            out = self._factored(hidden_states, position_embeddings, attention_mask, cache, positions)
         return out, None
 
     def _attend(self, q, k, v, attention_mask):
