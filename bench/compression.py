@@ -8,6 +8,11 @@ converted model's perplexity is compared with the original's.
 
     python bench/compression.py                       # full table (~15 min on 2 cores)
     python bench/compression.py --ratios 0.5 --methods fisher --layouts factored
+    python bench/compression.py --render              # table and plot from the saved JSON only
+
+A full run (and `--render`) writes the perplexity-vs-cache plot
+(bench/results/compression.png) and rewrites the README's table between its
+`compression-table` markers, so what the README shows is what was measured.
 """
 
 import argparse
@@ -55,6 +60,17 @@ def parse_args(argv=None):
         "default per layout; svd rows run once",
     )
     p.add_argument("--out", type=Path, default=HERE / "results" / "compression.json")
+    p.add_argument(
+        "--render",
+        action="store_true",
+        help="measure nothing: redraw the plot and rewrite the README table from --out",
+    )
+    p.add_argument(
+        "--readme",
+        type=Path,
+        default=HERE.parent / "README.md",
+        help="README whose compression-table block is rewritten (only by a full run or --render)",
+    )
     return p.parse_args(argv)
 
 
@@ -92,6 +108,9 @@ def run_one(model, calib_ids, eval_ids, window, method, layout, ratio, nope_angl
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.render:
+        render(json.loads(args.out.read_text()), args)
+        return
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = realdata.smollm2_dir()
@@ -135,6 +154,92 @@ def main(argv=None):
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(markdown(result))
+    if args.out == parse_args([]).out:  # the full default table: the README shows it
+        render(result, args)
+
+
+#: The README block `render` rewrites.
+BEGIN, END = "<!-- compression-table: bench/compression.py -->", "<!-- /compression-table -->"
+
+
+def render(result: dict, args) -> None:
+    """The plot beside --out (.png) and the README's table block, from one result."""
+    plot = args.out.with_suffix(".png")
+    draw(result, plot)
+    text = args.readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{args.readme}: no '{BEGIN}' ... '{END}' block to rewrite")
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    image = os.path.relpath(plot, args.readme.parent)
+    block = f"{BEGIN}\n{markdown(result)}\n\n![perplexity vs KV cache]({image})\n{END}"
+    args.readme.write_text(head + block + tail)
+    print(f"wrote {plot} and the table in {args.readme}")
+
+
+def _variants(rows: list[dict]) -> dict:
+    """(layout, method, nope angle, calibration) of every compressed row, in order."""
+    return dict.fromkeys(
+        (r["layout"], r["method"], r.get("nope_angle"), r.get("calibration", "original"))
+        for r in rows
+        if r["method"] != "exact"
+    )
+
+
+def _label(method: str, angle, calibration: str) -> str:
+    label = method if angle is None else f"{method}, --nope-angle {angle:g}"
+    return label + (", sequential" if calibration == "sequential" else "")
+
+
+def draw(result: dict, path: Path) -> None:
+    """Perplexity (× the original's, log scale) against the share of the GQA cache kept,
+    one line per layout and method, the goals as markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for layout, method, angle, calibration in _variants(rows):
+        if method == "svd":
+            continue  # ×266 and up: it would flatten every other line
+        hit = [
+            r
+            for r in rows
+            if r["layout"] == layout
+            and (
+                r["method"] == "exact"
+                or (r["method"], r.get("nope_angle"), r.get("calibration", "original")) == (method, angle, calibration)
+            )
+        ]
+        hit.sort(key=lambda r: r["achieved_ratio"])
+        style = "-" if layout == "factored" else "--"
+        ax.plot(
+            [r["achieved_ratio"] for r in hit],
+            [r["ppl_ratio"] for r in hit],
+            style,
+            marker="o",
+            label=f"{layout}, {_label(method, angle, calibration)}",
+        )
+    for layout, marker in (("factored", "v"), ("absorbed", "1")):
+        goals = TARGETS[layout]
+        ax.scatter(list(goals), list(goals.values()), marker=marker, color="black", label=f"goal, {layout}")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("×%.2f"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("×%.2f"))
+    ax.set_xlabel("share of the GQA KV cache kept")
+    ax.set_ylabel("perplexity / original")
+    ev = result["eval"]
+    ax.set_title(
+        f"SmolLM2-135M, one-shot: {ev['book']} ({ev['tokens']} tokens), original ppl {result['original_ppl']:.2f}"
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def markdown(result: dict) -> str:
@@ -144,11 +249,7 @@ def markdown(result: dict) -> str:
         "| layout | method | " + " | ".join(f"{r:.0%} cache" for r in ratios) + " |",
         "|---|---|" + "---:|" * len(ratios),
     ]
-    variants = dict.fromkeys(
-        (r["layout"], r["method"], r.get("nope_angle"), r.get("calibration", "original"))
-        for r in rows
-        if r["method"] != "exact"
-    )
+    variants = _variants(rows)
     for layout, method, angle, calibration in variants:
         cells = []
         for ratio in ratios:
@@ -167,9 +268,7 @@ def markdown(result: dict) -> str:
                 )
             ]
             cells.append(f"{hit[0]['ppl']:.2f} (×{hit[0]['ppl_ratio']:.3f})" if hit else "")
-        label = method if angle is None else f"{method}, --nope-angle {angle:g}"
-        label += ", sequential" if calibration == "sequential" else ""
-        lines.append(f"| {layout} | {label} | " + " | ".join(cells) + " |")
+        lines.append(f"| {layout} | {_label(method, angle, calibration)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
