@@ -1,4 +1,5 @@
-"""Perplexity vs KV-cache size of compressed (rank-reduced) conversions of SmolLM2-135M.
+"""Perplexity vs KV-cache size of compressed (rank-reduced) conversions of SmolLM2-135M
+(or, with --model gemma3, of Gemma 3 270M: q/k norms, factored layout only).
 
 Calibrates on one Austen novel and evaluates on another (disjoint texts; nothing
 is tuned on the evaluation text). For each method × layout × cache ratio the
@@ -9,6 +10,7 @@ converted model's perplexity is compared with the original's.
     python bench/compression.py                       # full table (~15 min on 2 cores)
     python bench/compression.py --ratios 0.5 --methods fisher --layouts factored
     python bench/compression.py --render              # table and plot from the saved JSON only
+    python bench/compression.py --model gemma3        # the second family (results/compression_gemma3.json)
 
 A full run (and `--render`) writes the perplexity-vs-cache plot
 (bench/results/compression.png) and rewrites the README's table between its
@@ -34,20 +36,28 @@ import convert  # noqa: E402
 from convert.mla.model import build_mla_model  # noqa: E402
 from convert.verify.e2e import perplexity  # noqa: E402
 
+#: The real models measured: (fixture directory, name, default layouts, default methods, results file).
+MODELS = {
+    "smollm2": (realdata.smollm2_dir, "SmolLM2-135M", "factored,absorbed", "svd,whitened,fisher", "compression.json"),
+    # q/k norms: compressed after the norm, in the factored layout and from calibration statistics only
+    "gemma3": (realdata.gemma3_dir, "Gemma 3 270M", "factored", "whitened,fisher", "compression_gemma3.json"),
+}
+
 #: The compression issue's one-shot goals (perplexity × the original's) per layout and cache share.
 TARGETS = {"factored": {0.75: 1.03, 0.5: 1.10, 0.25: 1.35}, "absorbed": {0.75: 1.05, 0.5: 1.15, 0.25: 1.45}}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     p.add_argument("--calib-book", default="prideprejudice")
     p.add_argument("--eval-book", default="emma")
     p.add_argument("--calib-tokens", type=int, default=4096)
     p.add_argument("--eval-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--ratios", default="1,0.75,0.5,0.25")
-    p.add_argument("--methods", default="svd,whitened,fisher")
-    p.add_argument("--layouts", default="factored,absorbed")
+    p.add_argument("--methods", default=None, help="default: every method the model allows")
+    p.add_argument("--layouts", default=None, help="default: every layout the model compresses in")
     p.add_argument(
         "--nope-angles",
         default=None,
@@ -59,7 +69,7 @@ def parse_args(argv=None):
         help="--calibration values to compare side by side (original, sequential); default the option's own "
         "default per layout; svd rows run once",
     )
-    p.add_argument("--out", type=Path, default=HERE / "results" / "compression.json")
+    p.add_argument("--out", type=Path, default=None, help="default bench/results/compression[_MODEL].json")
     p.add_argument(
         "--render",
         action="store_true",
@@ -71,7 +81,11 @@ def parse_args(argv=None):
         default=HERE.parent / "README.md",
         help="README whose compression-table block is rewritten (only by a full run or --render)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    _, _, layouts, methods, results = MODELS[args.model]
+    args.layouts, args.methods = args.layouts or layouts, args.methods or methods
+    args.out = args.out or HERE / "results" / results
+    return args
 
 
 def token_ids(tokenizer, book: str, n: int) -> torch.Tensor:
@@ -113,7 +127,7 @@ def main(argv=None):
         return
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = realdata.smollm2_dir()
+    src = MODELS[args.model][0]()
     tokenizer = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     calib_ids = token_ids(tokenizer, args.calib_book, args.calib_tokens)
@@ -144,6 +158,7 @@ def main(argv=None):
             flush=True,
         )
     result = {
+        "model": MODELS[args.model][1],
         "original_ppl": base,
         "calib": {"book": args.calib_book, "tokens": calib_ids.shape[-1]},
         "eval": {"book": args.eval_book, "tokens": eval_ids.shape[-1], "window": args.window},
@@ -154,25 +169,28 @@ def main(argv=None):
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(markdown(result))
-    if args.out == parse_args([]).out:  # the full default table: the README shows it
+    if args.out == parse_args(["--model", args.model]).out:  # the full default table: the README shows it
         render(result, args)
 
 
-#: The README block `render` rewrites.
-BEGIN, END = "<!-- compression-table: bench/compression.py -->", "<!-- /compression-table -->"
+def markers(model: str) -> tuple[str, str]:
+    """The README block of `model`'s table."""
+    command = "bench/compression.py" + ("" if model == "smollm2" else f" --model {model}")
+    return f"<!-- compression-table: {command} -->", "<!-- /compression-table -->"
 
 
 def render(result: dict, args) -> None:
     """The plot beside --out (.png) and the README's table block, from one result."""
     plot = args.out.with_suffix(".png")
     draw(result, plot)
+    begin, end = markers(args.model)
     text = args.readme.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{args.readme}: no '{BEGIN}' ... '{END}' block to rewrite")
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
+    if begin not in text or end not in text:
+        raise SystemExit(f"{args.readme}: no '{begin}' ... '{end}' block to rewrite")
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
     image = os.path.relpath(plot, args.readme.parent)
-    block = f"{BEGIN}\n{markdown(result)}\n\n![perplexity vs KV cache]({image})\n{END}"
+    block = f"{begin}\n{markdown(result)}\n\n![perplexity vs KV cache]({image})\n{end}"
     args.readme.write_text(head + block + tail)
     print(f"wrote {plot} and the table in {args.readme}")
 
@@ -224,6 +242,8 @@ def draw(result: dict, path: Path) -> None:
             label=f"{layout}, {_label(method, angle, calibration)}",
         )
     for layout, marker in (("factored", "v"), ("absorbed", "1")):
+        if not any(r["layout"] == layout for r in rows):
+            continue
         goals = TARGETS[layout]
         ax.scatter(list(goals), list(goals.values()), marker=marker, color="black", label=f"goal, {layout}")
     ax.set_yscale("log")
@@ -233,7 +253,7 @@ def draw(result: dict, path: Path) -> None:
     ax.set_ylabel("perplexity / original")
     ev = result["eval"]
     ax.set_title(
-        f"SmolLM2-135M, one-shot: {ev['book']} ({ev['tokens']} tokens), original ppl {result['original_ppl']:.2f}"
+        f"{result.get('model', 'SmolLM2-135M')}, one-shot: {ev['book']} ({ev['tokens']} tokens), original ppl {result['original_ppl']:.2f}"
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)

@@ -227,6 +227,8 @@ def _sequential_weighting(weighting, layer_stats, affine_key: bool):
     """The layer's weighting with its input moments measured in the compressed model, and the cross
     moments that refit its up-projections to the original layer's outputs (Fisher rows unchanged)."""
     key_moment, key_cross = layer_stats.augmented() if affine_key else (layer_stats.moment, layer_stats.cross)
+    if layer_stats.normed_keys is not None:  # q/k norm: the normed keys are what is compressed
+        key_moment, key_cross = layer_stats.normed_keys
     weighting.key_moment, weighting.key_cross = key_moment, key_cross
     weighting.value_moment, weighting.value_cross = layer_stats.moment, layer_stats.cross
     return weighting

@@ -78,12 +78,17 @@ def output_shapes(spec: AttentionSpec, ranks: dict[str, int], layout: str, biase
     rank_k = ranks["rank_kv"] if joint else ranks["rank_k"]
     rank_v = ranks["rank_kv"] if joint else ranks["rank_v"]
     shapes: dict[str, tuple[int, ...]] = {}
+    keys = spec.n_kv_heads * spec.head_dim
     if joint:
         shapes["kv_down.weight"] = (rank_k, hidden)
     else:
-        shapes["k_down.weight"] = (rank_k, hidden)
+        compressed_norm = spec.qk_norm is not None and rank_k < keys  # q/k norm: every key, normed, then cut
+        k_rows = keys if compressed_norm else rank_k
+        shapes["k_down.weight"] = (k_rows, hidden)
         if spec.rope and "k" in biases:
-            shapes["k_down.bias"] = (rank_k,)
+            shapes["k_down.bias"] = (k_rows,)
+        if compressed_norm:
+            shapes["k_compress.weight"] = (rank_k, keys)
         shapes["v_down.weight"] = (rank_v, hidden)
     q_name, o_name = ("q_absorbed", "o_absorbed") if layout == "absorbed" else ("q_proj", "o_proj")
     q_rows = n_heads * rank_k if layout == "absorbed" else inner
@@ -352,7 +357,7 @@ def static_frequencies(spec: AttentionSpec, config: dict, angle: float) -> tuple
 
 
 def _check_qk_norm_options(spec: AttentionSpec, opts: ConvertOptions) -> None:
-    """What a q/k-norm conversion (exact, aligned key latent, native runtime) does not cover."""
+    """What a q/k-norm conversion (aligned key latent, native runtime) does not cover."""
     name = f"a {spec.arch.name} model (q/k norm)"
     if opts.target != "mla":
         raise ConvertError(
@@ -360,10 +365,18 @@ def _check_qk_norm_options(spec: AttentionSpec, opts: ConvertOptions) -> None:
             "exactly; use --target mla (the default), which runs the norms on the latent"
         )
     exact_k = spec.n_kv_heads * spec.head_dim
-    if opts.kv_cache_ratio is not None and opts.kv_cache_ratio < 1 or opts.rank not in (None, exact_k):
+    if not (opts.kv_cache_ratio is not None and opts.kv_cache_ratio < 1 or opts.rank not in (None, exact_k)):
+        return
+    if opts.layout == "absorbed":
         raise ConvertError(
-            f"compressing {name} is not implemented: each head's key RMS is computed from its full latent "
-            f"block (DESIGN §5), so the key latent keeps its exact rank {exact_k}; drop --rank/--kv-cache-ratio"
+            f"compressing {name} in the absorbed layout is not implemented: the normed keys are "
+            "compressed after the norm, and RoPE then acts on them, which only the factored layout "
+            "applies after the up-projection; use --layout factored"
+        )
+    if opts.resolved_method == "svd":
+        raise ConvertError(
+            f"compressing {name} needs calibration: the normed keys are compressed, and only their "
+            "statistics on real text say which directions matter; add --calib FILE (method fisher or whitened)"
         )
 
 

@@ -13,7 +13,9 @@ submodules of `convert.mla.MLAAttention`:
                    key, permuted), so k_norm (d) runs on its blocks; the query is
                    normalised live: q_proj, q_norm, k_norm, k_down, v_down, k_up and
                    o_absorbed (absorbed: W^UK applied to the normed query at run
-                   time) or v_up, o_proj (factored)
+                   time) or v_up, o_proj (factored); compressed (factored only):
+                   k_down keeps the whole aligned key for the norm, and k_compress
+                   (r_K × G·d) caches r_K dims of the normed keys
 """
 
 from dataclasses import dataclass, field
@@ -94,7 +96,7 @@ def _key_factor(w: LayerWeights, spec: AttentionSpec, layout: str, rank: int | N
     """Factor the keys; returns the factor and whether its latent is affine (key bias kept)."""
     affine = spec.rope and w.k_bias is not None
     keys = with_bias(w.k, w.k_bias if affine else None)  # (G·d, D[+1])
-    if spec.qk_norm is not None:  # exact only (plan refuses a lower rank): blocks per KV head
+    if spec.qk_norm is not None:  # blocks per KV head; compressed: `normed_key_factor` after the norm
         return aligned_rope_factor(keys, spec.n_kv_heads), affine
     per_frequency = spec.rope and layout == "absorbed"
     if per_frequency and spec.rotary_dim is not None:  # exact only (plan refuses a lower rank)
@@ -110,6 +112,15 @@ def _key_factor(w: LayerWeights, spec: AttentionSpec, layout: str, rank: int | N
     if per_frequency:
         return rope_factor(keys, spec.n_kv_heads, rank), affine
     return real_factor(keys, rank), affine
+
+
+def normed_key_factor(spec: AttentionSpec, rank: int, weighting) -> Factor:
+    """q/k norm, compressed: the normed keys n (G·d, source head order) cached through a
+    rank-`rank` projection, n ≈ up · down · n, weighted as the calibration says (`weighting`'s
+    key moment E[n nᵀ] and rows). The norm itself stays exact: it runs on the whole aligned
+    latent before `down` (the `k_compress` tensor)."""
+    eye = torch.eye(spec.n_kv_heads * spec.head_dim, dtype=torch.float64)
+    return weighted_factor(eye, rank, weighting.key_rows, weighting.key_moment, weighting.key_cross)
 
 
 def _value_factor(w: LayerWeights, rank: int | None, weighting) -> Factor:
@@ -141,9 +152,14 @@ def convert_layer(
 ):
     """Convert one layer. Returns (tensors by relative name, LayerInfo)."""
     key_f, value_f, affine, notes = factor_layer(w, spec, latent, layout, ranks, weighting)
+    out = _down_tensors(key_f, value_f, affine, latent)
+    normed = None  # q/k norm, compressed: the factor of the normed keys
+    if spec.qk_norm is not None and (ranks or {}).get("rank_k", key_f.rank) < key_f.rank:
+        normed = normed_key_factor(spec, ranks["rank_k"], weighting)
+        out["k_compress.weight"] = normed.down @ key_f.up  # (r_K, G·d): from the aligned latent
+        key_f = normed  # what the cache holds of the keys: its figures are reported
     up_k = expand_groups(key_f.up, spec.n_heads, spec.n_kv_heads, spec.head_map)  # (H·d, r_K)
     up_v = expand_groups(value_f.up, spec.n_heads, spec.n_kv_heads, spec.head_map)  # (H·d, r_V)
-    out = _down_tensors(key_f, value_f, affine, latent)
     out_bias = _output_bias(w, spec)
     if spec.qk_norm is not None:
         out |= _split_bias(with_bias(w.q, w.q_bias), w.q_bias is not None, "q_proj")
@@ -163,7 +179,8 @@ def convert_layer(
         out |= _split_bias(with_bias(w.q, w.q_bias), w.q_bias is not None, "q_proj")
         out |= {"k_up.weight": up_k, "v_up.weight": up_v, "o_proj.weight": w.o.double()}
         out |= {"o_proj.bias": out_bias} if out_bias is not None else {}
-    return out, _layer_info(w, spec, key_f, value_f, affine, latent, layout, notes)
+    key_target = None if normed is None else torch.eye(normed.up.shape[0], dtype=torch.float64)
+    return out, _layer_info(w, spec, key_f, value_f, affine, latent, layout, notes, key_target)
 
 
 def _down_tensors(key_f: Factor, value_f: Factor, affine: bool, latent: str) -> dict[str, torch.Tensor]:
@@ -182,8 +199,10 @@ def _output_bias(w: LayerWeights, spec: AttentionSpec) -> torch.Tensor | None:
     return bias
 
 
-def _layer_info(w, spec, key_f, value_f, affine, latent, layout, notes) -> LayerInfo:
-    keys = with_bias(w.k, w.k_bias if affine else None)
+def _layer_info(w, spec, key_f, value_f, affine, latent, layout, notes, key_target=None) -> LayerInfo:
+    """key_target: what key_f.up @ key_f.down approximates (default the key projection; the
+    identity on the normed keys for a compressed q/k norm)."""
+    keys = with_bias(w.k, w.k_bias if affine else None) if key_target is None else key_target
     if latent == "joint":
         ranks = {"rank_kv": key_f.rank}
         energy = {"kv": key_f.retained_energy()}

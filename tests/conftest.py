@@ -44,6 +44,14 @@ TINY_LLAMA = FIXTURES / "tiny-llama"
 EXACT_TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 
+#: A paragraph of real prose (repeated), for calibration and evaluation texts of the tiny models.
+PROSE = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
+    "of a wife. However little known the feelings or views of such a man may be on his first entering a "
+    "neighbourhood, this truth is so well fixed in the minds of the surrounding families. "
+) * 12
+
+
 def rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
     """Relative Frobenius error ||approx - exact|| / ||exact||."""
     approx, exact = approx.detach(), exact.detach()

@@ -1,7 +1,7 @@
 """q/k norm (DESIGN §5): Qwen3 (RMSNorm of q and k per head before RoPE) and OLMo 2 (over the
 whole projection), converted exactly in both layouts and checked against transformers' own
-implementations; what the aligned latent does not cover (compression, DeepSeek-V3 targets)
-is refused before any work."""
+implementations; what the aligned latent does not cover (absorbed or uncalibrated compression,
+DeepSeek-V3 targets) is refused before any work."""
 
 import json
 import os
@@ -100,8 +100,9 @@ def _refused(tmp_path, *args, must_name=()):
     return line
 
 
-def test_compression_is_refused_before_any_work(tmp_path):
-    _refused(tmp_path, "--kv-cache-ratio", 0.5, "--method", "svd", "--no-verify", must_name=["q/k norm", "exact rank"])
+def test_absorbed_compression_is_refused_before_any_work(tmp_path):
+    # compression runs in the factored layout (tests/test_qknorm_compression.py)
+    _refused(tmp_path, "--kv-cache-ratio", 0.5, "--no-verify", must_name=["q/k norm", "--layout factored"])
 
 
 def test_deepseek_targets_are_refused(tmp_path):
@@ -127,10 +128,10 @@ def test_other_qk_norm_families_are_refused_with_what_they_add():
         convert.convert_state_dict({}, {"model_type": "qwen3_moe"})
 
 
-def test_olmo2_compression_is_refused(tmp_path):
+def test_olmo2_uncalibrated_compression_is_refused(tmp_path):
     model = qwen3(family="olmo2")
-    with pytest.raises(convert.ConvertError, match="olmo2 model .q/k norm.*exact rank"):
-        convert.to_mla(model, rank=4, method="svd")
+    with pytest.raises(convert.ConvertError, match="olmo2 model .q/k norm.*--calib"):
+        convert.to_mla(model, rank=4, method="svd", layout="factored")
 
 
 QWEN3 = {

@@ -12,12 +12,9 @@ from convert.cli import main
 from convert.compress.allocate import Latent, allocate_global
 from convert.linalg.weighted import weighted_factor, weighted_rope_factor
 
+from conftest import PROSE
+
 METHODS = ["svd", "whitened", "fisher"]
-PROSE = (
-    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
-    "of a wife. However little known the feelings or views of such a man may be on his first entering a "
-    "neighbourhood, this truth is so well fixed in the minds of the surrounding families. "
-) * 12
 
 
 @pytest.fixture

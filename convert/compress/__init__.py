@@ -5,6 +5,8 @@ budget (the budget itself is `convert.plan`'s); the conversion then factors each
 ranks (see `convert.transform.factor_layer`).
 """
 
+import torch
+
 from convert.arch import AttentionSpec
 from convert.compress.allocate import Latent, allocate_global
 from convert.compress.calibrate import LayerStats, calibrate, fisher_calibrate
@@ -32,6 +34,8 @@ def layer_latents(
     weighting = weighting or Weighting()
     affine = spec.rope and w.k_bias is not None
     keys = with_bias(w.k, w.k_bias if affine else None)
+    if spec.qk_norm is not None:  # the normed keys n themselves: the identity on n, weighted
+        keys = torch.eye(spec.n_kv_heads * spec.head_dim, dtype=torch.float64)
     if spec.rope and layout == "absorbed" and spec.static_freqs:  # [rotary pairs | static NoPE dims]
         s = decoupled_spectrum(
             keys,

@@ -14,8 +14,9 @@ class LayerStats:
 
     moment: torch.Tensor  # (D, D)
     mean: torch.Tensor  # (D,)
-    key_fisher: torch.Tensor | None = None  # (G·d, G·d) E[g gᵀ], g = ∂loss/∂k (fisher_calibrate)
+    key_fisher: torch.Tensor | None = None  # (G·d, G·d) E[g gᵀ], g = ∂loss/∂k (q/k norm: ∂loss/∂n) (fisher)
     value_fisher: torch.Tensor | None = None  # (G·d, G·d) E[g gᵀ], g = ∂loss/∂v
+    normed_key_moment: torch.Tensor | None = None  # q/k norm: (G·d, G·d) E[n nᵀ], n the normed keys
 
     def augmented(self) -> torch.Tensor:
         """Second moment of [x; 1] (D+1, D+1), for affine maps (a bias as an extra column)."""
@@ -44,10 +45,25 @@ def calibrate(
     rows = windows(token_ids, min(window, token_ids.shape[-1]))  # (B, L)
     stream = LayerStream(checkpoint, config, torch.device(device), dtype)
     stats = []
-    for _, x, _, _ in stream.run(rows, n_layers, progress):
+    for _, x, decoder, _ in stream.run(rows, n_layers, progress):
         flat = x.reshape(-1, x.shape[-1]).double().cpu()  # (B·L, D)
-        stats.append(LayerStats(flat.T @ flat / flat.shape[0], flat.mean(0)))
+        layer = LayerStats(flat.T @ flat / flat.shape[0], flat.mean(0))
+        if hasattr(decoder.self_attn, "k_norm"):
+            with torch.no_grad():
+                n = normed_keys(decoder.self_attn, x).double().cpu()  # (B·L, G·d)
+            layer.normed_key_moment = n.T @ n / n.shape[0]
+        stats.append(layer)
     return stats
+
+
+def normed_keys(attention: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The q/k-normed keys n of a transformers attention module (Qwen3, Gemma 3, OLMo 2) for
+    inputs x (…, D): (N, G·d), heads in the source's order, before RoPE."""
+    k = attention.k_proj(x.reshape(-1, x.shape[-1]))  # (N, G·d)
+    norm = attention.k_norm
+    if norm.weight.numel() == k.shape[-1]:  # over the whole projection (OLMo 2)
+        return norm(k)
+    return norm(k.unflatten(-1, (-1, norm.weight.numel()))).flatten(-2)  # per head: (N, G, d) -> (N, G·d)
 
 
 def fisher_calibrate(model, token_ids: torch.Tensor, window: int = 1024, progress=iter) -> list[LayerStats]:
@@ -72,8 +88,15 @@ def fisher_calibrate(model, token_ids: torch.Tensor, window: int = 1024, progres
         }
         for _ in layers
     ]
-    hooks = [_hook(layer.self_attn.k_proj, acc[i], "key", inputs=True) for i, layer in enumerate(layers)]
-    hooks += [_hook(layer.self_attn.v_proj, acc[i], "value", inputs=False) for i, layer in enumerate(layers)]
+    hooks = []
+    for i, layer in enumerate(layers):
+        attention = layer.self_attn
+        if hasattr(attention, "k_norm"):  # q/k norm: the keys that matter are the normed ones, n
+            hooks.append(_hook(attention.k_proj, acc[i], None, inputs=True))
+            hooks.append(_normed_key_hook(attention.k_norm, acc[i], attention.k_proj.out_features))
+        else:
+            hooks.append(_hook(attention.k_proj, acc[i], "key", inputs=True))
+        hooks.append(_hook(attention.v_proj, acc[i], "value", inputs=False))
     try:
         for row in progress(rows):
             ids = row[None]  # (1, L)
@@ -89,13 +112,15 @@ def fisher_calibrate(model, token_ids: torch.Tensor, window: int = 1024, progres
             a["sum"] / a["tokens"],
             key_fisher=a["key"] / a["tokens"],
             value_fisher=a["value"] / a["tokens"],
+            normed_key_moment=a["normed"] / a["tokens"] if "normed" in a else None,
         )
         for a in acc
     ]
 
 
-def _hook(linear: torch.nn.Module, acc: dict, name: str, inputs: bool):
-    """Accumulate the input moments (once per layer) and E[g gᵀ] of the output's gradient."""
+def _hook(linear: torch.nn.Module, acc: dict, name: str | None, inputs: bool):
+    """Accumulate the input moments (once per layer) and E[g gᵀ] of the output's gradient
+    (under `name`; None: no gradient)."""
 
     def forward_hook(module, args, output):
         if inputs:
@@ -103,6 +128,8 @@ def _hook(linear: torch.nn.Module, acc: dict, name: str, inputs: bool):
             acc["moment"] += flat.T @ flat
             acc["sum"] += flat.sum(0)
             acc["tokens"] += flat.shape[0]
+        if name is None:
+            return
 
         def grad_hook(grad):
             g = grad.detach().reshape(-1, grad.shape[-1]).double()  # (B·L, G·d)
@@ -111,3 +138,26 @@ def _hook(linear: torch.nn.Module, acc: dict, name: str, inputs: bool):
         output.register_hook(grad_hook)
 
     return linear.register_forward_hook(forward_hook)
+
+
+def _normed_key_hook(norm: torch.nn.Module, acc: dict, width: int):
+    """Accumulate E[n nᵀ] of a k norm's output n and E[g gᵀ] of g = ∂loss/∂n (as "key"), both
+    (G·d, G·d) in head order. Qwen3 and OLMo 2 norm (B, L, G, d) / (B, L, G·d); Gemma 3 norms
+    after moving heads first, (B, G, L, d)."""
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 4 and t.shape[-1] * t.shape[1] == width and t.shape[2] * t.shape[-1] != width:
+            t = t.transpose(1, 2)  # (B, G, L, d) -> (B, L, G, d)
+        return t.detach().reshape(-1, width).double()  # (B·L, G·d)
+
+    def forward_hook(module, args, output):
+        n = flat(output)
+        acc["normed"] = acc.get("normed", 0) + n.T @ n
+
+        def grad_hook(grad):
+            g = flat(grad)
+            acc["key"] = acc["key"] + g.T @ g
+
+        output.register_hook(grad_hook)
+
+    return norm.register_forward_hook(forward_hook)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from convert.compress.calibrate import windows
+from convert.compress.calibrate import normed_keys, windows
 from convert.mla.attention import build_mla_attention
 from convert.stream import LayerStream, materialize
 
@@ -27,6 +27,7 @@ class SequentialStats:
     mean: torch.Tensor  # E[y] (D,)
     cross: torch.Tensor  # E[y° yᵀ] (D, D)
     mean_original: torch.Tensor  # E[y°] (D,)
+    normed_keys: tuple[torch.Tensor, torch.Tensor] | None = None  # q/k norm: (E[n nᵀ], E[n° nᵀ]) (G·d, G·d)
 
     def augmented(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(E[[y; 1][y; 1]ᵀ], E[[y°; 1][y; 1]ᵀ]) for an affine key latent (a bias column)."""
@@ -58,7 +59,14 @@ class SequentialCalibration:
             y = self._normed(self.compressed).reshape(-1, self.compressed.shape[-1]).double()  # (B·L, D)
             y0 = self._normed(self.original).reshape(-1, self.original.shape[-1]).double()
         n = y.shape[0]
-        return SequentialStats(y.T @ y / n, y.mean(0), y0.T @ y / n, y0.mean(0))
+        stats = SequentialStats(y.T @ y / n, y.mean(0), y0.T @ y / n, y0.mean(0))
+        attention = self.decoder.self_attn
+        if hasattr(attention, "k_norm"):  # the normed keys, in both models
+            with torch.no_grad():
+                k = normed_keys(attention, self._normed(self.compressed)).double()  # (B·L, G·d)
+                k0 = normed_keys(attention, self._normed(self.original)).double()
+            stats.normed_keys = (k.T @ k / n, k0.T @ k / n)
+        return stats
 
     def advance(self, layer: int, mla: dict, tensors: dict[str, torch.Tensor]) -> None:
         """Run layer `layer` in both models: the original's attention, then the converted one."""

@@ -23,7 +23,7 @@ METHODS = ("svd", "whitened", "fisher")
 class Weighting:
     """Weights of one layer's key and value errors (None: unweighted)."""
 
-    key_moment: torch.Tensor | None = None  # (X, X), X = D (+1 for an affine key latent)
+    key_moment: torch.Tensor | None = None  # (X, X), X = D (+1 for an affine key latent); q/k norm: E[n nᵀ]
     key_rows: torch.Tensor | None = None  # (G·d, G·d), real latents
     key_pairs: torch.Tensor | None = None  # per-frequency complex latents: (G, d/2) diagonal or (d/2, G, G)
     value_moment: torch.Tensor | None = None  # (D, D)
@@ -40,7 +40,10 @@ def layer_weighting(
     if method == "svd":
         return None
     affine_key = spec.rope and w.k_bias is not None
-    weighting = Weighting(key_moment=stats.augmented() if affine_key else stats.moment, value_moment=stats.moment)
+    key_moment = stats.augmented() if affine_key else stats.moment
+    if spec.qk_norm is not None:  # the normed keys n are what is compressed (identity map on n)
+        key_moment = stats.normed_key_moment
+    weighting = Weighting(key_moment=key_moment, value_moment=stats.moment)
     if method == "whitened":
         return weighting
     return _fisher_weighting(weighting, spec, layout, stats)

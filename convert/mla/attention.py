@@ -104,11 +104,15 @@ class MLAAttention(nn.Module):
         bias = set(layer.get("bias", ()))
         if self.joint:
             self.kv_down = nn.Linear(hidden_size, rank_k, bias=False)
-        else:
-            self.k_down = nn.Linear(hidden_size, rank_k, bias="k_down" in bias)
-            self.v_down = nn.Linear(hidden_size, rank_v, bias=False)
         self.qk_norm = mla.get("qk_norm")  # None, "head" (per head) or "whole" (the whole projection)
         self.n_kv_heads = mla["n_kv_heads"]
+        if not self.joint:
+            keys = self.n_kv_heads * self.head_dim
+            # q/k norm, compressed: the norm runs on every KV head's key, then `k_compress` caches r_K dims
+            compressed_norm = self.qk_norm is not None and rank_k < keys
+            self.k_down = nn.Linear(hidden_size, keys if compressed_norm else rank_k, bias="k_down" in bias)
+            self.k_compress = nn.Linear(keys, rank_k, bias=False) if compressed_norm else None
+            self.v_down = nn.Linear(hidden_size, rank_v, bias=False)
         if self.qk_norm:
             inner = self.n_heads * self.head_dim
             whole = self.qk_norm == "whole"  # OLMo 2, whose norm also applies its weight in float32
@@ -156,6 +160,8 @@ class MLAAttention(nn.Module):
             else:
                 keys = self.k_norm(keys)  # per head
             c_k = latent_ungroup(keys)
+            if self.k_compress is not None:
+                c_k = self.k_compress(c_k)  # (B, L, r_K): the normed keys, compressed
         return c_k, self.v_down(x)
 
     def _query_heads(self, x: torch.Tensor) -> torch.Tensor:
