@@ -12,7 +12,7 @@ from convert.cli import main
 from convert.compress.allocate import Latent, allocate_global
 from convert.linalg.weighted import weighted_factor, weighted_rope_factor
 
-from conftest import PROSE
+from conftest import PROSE, hf_model
 
 METHODS = ["svd", "whitened", "fisher"]
 
@@ -142,3 +142,34 @@ def test_bad_compression_requests_exit_2(tiny, extra, fragment):
     res = CliRunner().invoke(main, ["gqa2mla", str(src), "-o", str(src.parent / "out"), *extra])
     assert res.exit_code == 2 and fragment in res.stderr
     assert not (src.parent / "out").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_chunked_calibration_loss_equals_transformers_loss_and_gradient(family):
+    """The Fisher pass's loss, computed 7 tokens at a time (no whole-window logits), is the
+    model's own summed loss, final soft-cap included (Gemma 2), with the same gradient."""
+    from convert.compress.calibrate import summed_loss
+
+    model = hf_model(family, dtype=torch.float64)
+    model.config._attn_implementation = "eager"  # transformers soft-caps scores only in eager attention
+    if family == "gemma2":
+        model.config.final_logit_softcapping = 3.0  # a cap that bites on these logits
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    ref_embeds = model.model.embed_tokens(ids).detach().requires_grad_(True)
+    ref = model(inputs_embeds=ref_embeds, labels=ids).loss * (ids.shape[-1] - 1)
+    ref.backward()
+    embeds = model.model.embed_tokens(ids).detach().requires_grad_(True)
+    got = summed_loss(model, embeds, ids, chunk=7)
+    got.backward()
+    assert float(got) == pytest.approx(float(ref), rel=1e-6)
+    assert float((embeds.grad - ref_embeds.grad).norm() / ref_embeds.grad.norm()) < 1e-6
+
+
+def test_fisher_pass_computes_no_weight_gradients_and_leaves_the_model_as_it_was():
+    from convert.compress import fisher_calibrate
+
+    model = hf_model("llama")
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+    stats = fisher_calibrate(model, ids, window=32)
+    assert all(s.key_fisher.trace() > 0 and s.value_fisher.trace() > 0 for s in stats)
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from convert.stream import LayerStream
 
@@ -97,15 +98,21 @@ def fisher_calibrate(model, token_ids: torch.Tensor, window: int = 1024, progres
         else:
             hooks.append(_hook(attention.k_proj, acc[i], "key", inputs=True))
         hooks.append(_hook(attention.v_proj, acc[i], "value", inputs=False))
+    # only activations' gradients are wanted: no weight gradients (a model's worth of memory, and
+    # half the backward's work); they flow from the embeddings, which require one
+    trainable = [p for p in model.parameters() if p.requires_grad]
     try:
+        for p in trainable:
+            p.requires_grad_(False)
         for row in progress(rows):
             ids = row[None]  # (1, L)
             embeds = model.model.embed_tokens(ids).detach().requires_grad_(True)
-            loss = model(inputs_embeds=embeds, labels=ids).loss * (ids.shape[-1] - 1)  # summed over tokens
-            loss.backward()
+            summed_loss(model, embeds, ids).backward()
     finally:
         for h in hooks:
             h.remove()
+        for p in trainable:
+            p.requires_grad_(True)
     return [
         LayerStats(
             a["moment"] / a["tokens"],
@@ -116,6 +123,34 @@ def fisher_calibrate(model, token_ids: torch.Tensor, window: int = 1024, progres
         )
         for a in acc
     ]
+
+
+#: Tokens per chunk of the calibration loss: (chunk × vocab) logits live at once, not (window × vocab).
+LOSS_CHUNK = 128
+
+
+def summed_loss(model, embeds: torch.Tensor, ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """The next-token loss of a transformers causal LM, summed over the tokens of `ids` (1, L),
+    as `model(inputs_embeds=embeds, labels=ids)` computes it (float32 logits, a final soft-cap
+    where the config has one), but in chunks of `chunk` tokens whose logits are recomputed in
+    the backward pass: the whole window's (L × vocab) logits never exist (Gemma: 262k per token).
+    chunk: default `LOSS_CHUNK`."""
+    chunk = chunk or LOSS_CHUNK
+    hidden = model.model(inputs_embeds=embeds).last_hidden_state  # (1, L, D)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+
+    def chunk_loss(h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = model.lm_head(h).float()  # (1, C, V)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+
+    length = ids.shape[-1]
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, length - 1, chunk):
+        end = min(start + chunk, length - 1)
+        total = total + checkpoint(chunk_loss, hidden[:, start:end], ids[:, start + 1 : end + 1], use_reentrant=False)
+    return total
 
 
 def _hook(linear: torch.nn.Module, acc: dict, name: str | None, inputs: bool):
