@@ -197,11 +197,17 @@ def render(result: dict, args) -> None:
 
 def _variants(rows: list[dict]) -> dict:
     """(layout, method, nope angle, calibration) of every compressed row, in order."""
-    return dict.fromkeys(
-        (r["layout"], r["method"], r.get("nope_angle"), r.get("calibration", "original"))
-        for r in rows
-        if r["method"] != "exact"
-    )
+    return dict.fromkeys(_variant(r) for r in rows if r["method"] != "exact")
+
+
+def _variant(r: dict) -> tuple:
+    """A row's (layout, method, nope angle, calibration)."""
+    return r["layout"], r["method"], r.get("nope_angle"), r.get("calibration", "original")
+
+
+def _curve(rows: list[dict], variant: tuple) -> list[dict]:
+    """The rows of one variant, with its layout's exact (100%) row: one line of the plot or the table."""
+    return [r for r in rows if _variant(r) == variant or (r["method"] == "exact" and r["layout"] == variant[0])]
 
 
 def _label(method: str, angle, calibration: str) -> str:
@@ -223,16 +229,7 @@ def draw(result: dict, path: Path) -> None:
     for layout, method, angle, calibration in _variants(rows):
         if method == "svd":
             continue  # ×266 and up: it would flatten every other line
-        hit = [
-            r
-            for r in rows
-            if r["layout"] == layout
-            and (
-                r["method"] == "exact"
-                or (r["method"], r.get("nope_angle"), r.get("calibration", "original")) == (method, angle, calibration)
-            )
-        ]
-        hit.sort(key=lambda r: r["achieved_ratio"])
+        hit = sorted(_curve(rows, (layout, method, angle, calibration)), key=lambda r: r["achieved_ratio"])
         style = "-" if layout == "factored" else "--"
         ax.plot(
             [r["achieved_ratio"] for r in hit],
@@ -269,24 +266,12 @@ def markdown(result: dict) -> str:
         "| layout | method | " + " | ".join(f"{r:.0%} cache" for r in ratios) + " |",
         "|---|---|" + "---:|" * len(ratios),
     ]
-    variants = _variants(rows)
-    for layout, method, angle, calibration in variants:
+    for variant in _variants(rows):
+        layout, method, angle, calibration = variant
+        curve = _curve(rows, variant)
         cells = []
         for ratio in ratios:
-            hit = [
-                r
-                for r in rows
-                if r["layout"] == layout
-                and r["ratio"] == ratio
-                and (
-                    r["method"] == "exact"
-                    or (
-                        r["method"] == method
-                        and r.get("nope_angle") == angle
-                        and r.get("calibration", "original") == calibration
-                    )
-                )
-            ]
+            hit = [r for r in curve if r["ratio"] == ratio]
             cells.append(f"{hit[0]['ppl']:.2f} (×{hit[0]['ppl_ratio']:.3f})" if hit else "")
         lines.append(f"| {layout} | {_label(method, angle, calibration)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
