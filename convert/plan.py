@@ -308,14 +308,14 @@ def resolve_spec(source, config: dict | None, opts: ConvertOptions) -> Attention
             "--latent joint needs keys without RoPE: a shared K/V latent cannot carry the per-frequency "
             "rotation of RoPE keys exactly; use --latent split (the default)"
         )
+    lossy = _compresses(source, spec, opts)
     if spec.qk_norm is not None:
-        _check_qk_norm_options(spec, opts)
+        _check_qk_norm_options(spec, opts, lossy)
     if spec.arch.fused_qkv is not None and opts.target != "mla":
         raise ConvertError(
             f"--target {opts.target} writes DeepSeek-V3's MLP (gate_proj, up_proj), and {spec.arch.name}'s fused "
             "gate_up_proj is not split for it; use --target mla (the default), which keeps the MLP as it is"
         )
-    lossy = _compresses(source, spec, opts)
     if spec.rotary_dim is not None and opts.layout == "absorbed" and lossy:
         raise ConvertError(
             f"compressing partial RoPE (the first {spec.rotary_dim} of head_dim={spec.head_dim} dims rotate) in the "
@@ -356,7 +356,7 @@ def static_frequencies(spec: AttentionSpec, config: dict, angle: float) -> tuple
     return tuple(int(j) for j in torch.nonzero(inv_freq.double() * span < angle)[:, 0])
 
 
-def _check_qk_norm_options(spec: AttentionSpec, opts: ConvertOptions) -> None:
+def _check_qk_norm_options(spec: AttentionSpec, opts: ConvertOptions, compressing: bool) -> None:
     """What a q/k-norm conversion (aligned key latent, native runtime) does not cover."""
     name = f"a {spec.arch.name} model (q/k norm)"
     if opts.target != "mla":
@@ -364,8 +364,7 @@ def _check_qk_norm_options(spec: AttentionSpec, opts: ConvertOptions) -> None:
             f"--target {opts.target}: DeepSeek-V3 has no q/k norm, so {name} cannot be written for it "
             "exactly; use --target mla (the default), which runs the norms on the latent"
         )
-    exact_k = spec.n_kv_heads * spec.head_dim
-    if not (opts.kv_cache_ratio is not None and opts.kv_cache_ratio < 1 or opts.rank not in (None, exact_k)):
+    if not compressing:
         return
     if opts.layout == "absorbed":
         raise ConvertError(
