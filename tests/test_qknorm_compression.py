@@ -101,3 +101,22 @@ def test_what_is_not_covered_is_refused_with_the_alternative(options, fragment):
     with pytest.raises(convert.ConvertError, match="q/k norm") as refused:
         convert.to_mla(hf_model("qwen3"), **options)
     assert fragment in str(refused.value)
+
+
+def test_cached_generation_equals_full_recomputation():
+    """The cache holds the compressed normed keys (r_K per token): decoding from it gives the
+    tokens that recomputing the whole sequence at every step gives."""
+    model = hf_model("qwen3")
+    calib = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(1))
+    converted = convert.to_mla(model, layout="factored", kv_cache_ratio=0.5, calib=calib)
+    prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(4))
+    cached = converted.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(16):
+            ids = torch.cat([ids, converted(ids).logits[:, -1:].argmax(-1)], dim=-1)
+    assert torch.equal(cached, ids)
+    cache = converted(prompt, use_cache=True).past_key_values
+    ranks = [layer.self_attn.rank_k for layer in converted.model.layers]
+    assert min(ranks) < _key_width(model.config)  # some layer caches compressed normed keys
+    assert [layer.keys.shape[-1] for layer in cache.layers] == ranks  # compressed keys, not G·d
