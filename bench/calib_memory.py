@@ -1,10 +1,13 @@
-"""Peak memory and time of the Fisher calibration pass, whole-window loss vs chunked loss.
+"""Peak memory and time of the Fisher calibration pass: the whole model's, with a whole-window
+loss or a chunked one, against the streamed pass `convert gqa2mla` runs (one decoder layer at a
+time, `fisher_calibrate_streamed`).
 
 The Fisher statistics need one backward pass of the whole model per calibration window.
 With a large vocabulary the loss dominates: (window × vocab) logits, their log-softmax and
 gradients (Gemma 3: 1,024 × 262,144 float32 = 1 GiB each). `summed_loss` computes it in
 chunks of `LOSS_CHUNK` tokens recomputed in the backward pass. Each setting runs in its own
-process (peak RSS is per process), side by side in one invocation:
+process (peak RSS is per process), side by side in one invocation; `--chunks` value 0 is the
+streamed pass (its peak includes only what it reads from the checkpoint, no whole model):
 
     python bench/calib_memory.py                  # Gemma 3 270M, 4,096 tokens of Pride and Prejudice
     python bench/calib_memory.py --model smollm2
@@ -33,7 +36,9 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=sorted(MODELS), default="gemma3")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=1024)
-    p.add_argument("--chunks", default="1024,128", help="loss chunks to compare (the window = whole-window loss)")
+    p.add_argument(
+        "--chunks", default="1024,128,0", help="loss chunks to compare (the window: whole-window loss; 0: streamed)"
+    )
     p.add_argument("--out", type=Path, default=None, help="default bench/results/calib_memory_MODEL.json")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -48,13 +53,26 @@ def child(args) -> None:
 
     src = MODELS[args.model]()
     tokenizer = AutoTokenizer.from_pretrained(src)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     ids = torch.tensor(tokenizer(realdata.austen_text("prideprejudice"))["input_ids"][: args.tokens])[None]
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    calibrate.LOSS_CHUNK = args.child
-    start = time.perf_counter()
-    stats = calibrate.fisher_calibrate(model, ids, window=args.window)
-    seconds = time.perf_counter() - start
+    if args.child == 0:  # streamed, from the checkpoint
+        from convert.io import open_checkpoint
+
+        config = json.loads((Path(src) / "config.json").read_text())
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        start = time.perf_counter()
+        with open_checkpoint(src) as checkpoint:
+            n_layers = config["num_hidden_layers"]
+            stats = calibrate.fisher_calibrate_streamed(checkpoint, config, ids, n_layers, window=args.window)
+        seconds = time.perf_counter() - start
+        vocab = config["vocab_size"]
+    else:
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        calibrate.LOSS_CHUNK = args.child
+        start = time.perf_counter()
+        stats = calibrate.fisher_calibrate(model, ids, window=args.window)
+        seconds = time.perf_counter() - start
+        vocab = model.config.vocab_size
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     key_trace = sum(float(s.key_fisher.trace()) for s in stats)  # the same statistics either way
     print(
@@ -65,7 +83,8 @@ def child(args) -> None:
                 "rss_before_pass": before,
                 "seconds": seconds,
                 "key_fisher_trace": key_trace,
-                "vocab": model.config.vocab_size,
+                "vocab": vocab,
+                "mode": "streamed" if args.child == 0 else "whole model",
             }
         )
     )
@@ -83,7 +102,7 @@ def main(argv=None):
         row = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append(row)
         print(
-            f"chunk {chunk:5d}: peak RSS {row['peak_rss'] / 2**30:.2f} GiB "
+            f"{'streamed' if chunk == 0 else f'chunk {chunk:5d}'}: peak RSS {row['peak_rss'] / 2**30:.2f} GiB "
             f"(model loaded: {row['rss_before_pass'] / 2**30:.2f} GiB), {row['seconds']:.0f} s",
             flush=True,
         )

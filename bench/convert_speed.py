@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Conversion wall time and peak memory of SmolLM2-135M against the I/O floor.
+"""Conversion wall time and peak memory against the I/O floor: SmolLM2-135M, or (`--llama8b N`)
+a synthetic checkpoint of Llama-3-8B's shape with N decoder layers (random bfloat16, sharded).
 
 Per repeat, interleaved (the order rotates from repeat to repeat):
 
@@ -8,9 +9,10 @@ Per repeat, interleaved (the order rotates from repeat to repeat):
                     0.8 returns mmap-backed tensors, so the clone is what makes
                     the bytes really come off the page cache / disk)
   write[layout]     `save_file` of the conversion output's own tensors (the
-                    same bytes, loaded once into memory beforehand); then an
-                    fsync of the file, timed separately (`CheckpointWriter`
-                    fsyncs before its rename, `save_file` does not)
+                    same bytes and shards, loaded once into memory beforehand);
+                    then an fsync of the files, timed separately
+                    (`CheckpointWriter` fsyncs before its rename, `save_file`
+                    does not)
   convert[layout]   `convert.gqa2mla(src, out, layout=..., verify=False,
                     progress=False, force=True)`, in this process (imports done)
 
@@ -35,6 +37,7 @@ file-backed (mmap'd checkpoint, page-cache) RSS. Target: conversion peak below
 the checkpoint's size on disk.
 
     python bench/convert_speed.py [--repeat 5] [--cold] [--profile]
+    python bench/convert_speed.py --llama8b 4    # -> bench/results/convert_speed_llama8b.json
 """
 
 from __future__ import annotations
@@ -127,24 +130,30 @@ def resident_fraction(path: Path) -> float | None:
         return None
 
 
-def evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+def evict(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
-def read_all(path: Path) -> int:
+def read_all(paths: list[Path]) -> int:
     from safetensors import safe_open
 
     total = 0
-    with safe_open(str(path), framework="pt") as f:
-        for name in f.keys():
-            tensor = f.get_tensor(name).clone()  # bring the bytes into private memory
-            total += tensor.nbytes
-            del tensor
+    for path in paths:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name).clone()  # bring the bytes into private memory
+                total += tensor.nbytes
+                del tensor
     return total
+
+
+def shards(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.safetensors"))
 
 
 def fsync_file(path: Path) -> None:
@@ -221,20 +230,35 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--profile", action="store_true", help="also cProfile one absorbed and one factored conversion")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
+    parser.add_argument(
+        "--llama8b",
+        type=int,
+        default=None,
+        metavar="N",
+        help="time a synthetic Llama-3-8B-shape checkpoint with N decoder layers instead (written to the scratch dir)",
+    )
     args = parser.parse_args(argv)
+    if args.llama8b is not None and args.out == C.RESULTS / "convert_speed.json":
+        args.out = C.RESULTS / "convert_speed_llama8b.json"
 
     import torch
     from safetensors.torch import load_file, save_file
 
     import convert
 
+    work = Path(tempfile.mkdtemp(prefix="convert-bench-", dir=args.workdir))
+    if args.llama8b is not None:
+        from memory import write_synthetic
+
+        src, model = work / "llama3-8b-shape", f"Llama-3-8B shape, {args.llama8b} layers, bfloat16"
+        write_synthetic(src, args.llama8b)
+    else:
+        src, model = args.src or C.smollm2_dir(), "SmolLM2-135M float32"
     quiet = C.wait_quiet(args.max_load, args.wait, args.max_busy)
     whole_run = C.Contention()
-    src = args.src or C.smollm2_dir()
-    src_file = src / "model.safetensors"
-    src_bytes = src_file.stat().st_size
-    work = Path(tempfile.mkdtemp(prefix="convert-bench-", dir=args.workdir))
-    print(f"source {src_file} ({src_bytes / 1e6:.1f} MB), scratch {work}, cache {'cold' if args.cold else 'warm'}")
+    src_files = shards(src)
+    src_bytes = sum(f.stat().st_size for f in src_files)
+    print(f"source {src} ({src_bytes / 1e6:.1f} MB), scratch {work}, cache {'cold' if args.cold else 'warm'}")
 
     try:
         # Warm-up (untimed): one conversion per layout gives the output tensors for the write floor.
@@ -243,10 +267,10 @@ def main(argv=None) -> int:
         for layout in LAYOUTS:
             out = work / f"warm-{layout}"
             convert.gqa2mla(src, out, layout=layout, verify=False, progress=False, force=True)
-            output_bytes[layout] = (out / "model.safetensors").stat().st_size
-            outputs[layout] = {k: v.clone() for k, v in load_file(out / "model.safetensors").items()}
+            output_bytes[layout] = sum(f.stat().st_size for f in shards(out))
+            outputs[layout] = {f.name: {k: v.clone() for k, v in load_file(f).items()} for f in shards(out)}
             remove(out)
-        read_bytes = read_all(src_file)  # also warms the page cache
+        read_bytes = read_all(src_files)  # also warms the page cache
 
         steps = ["read"] + [f"write:{l}" for l in LAYOUTS] + [f"convert:{l}" for l in LAYOUTS]
         samples: dict[str, list] = {s: [] for s in steps}
@@ -262,19 +286,20 @@ def main(argv=None) -> int:
                 remove(dest)
                 os.sync()
                 if args.cold and kind in ("read", "convert"):
-                    evict(src_file)
-                resident[step].append(resident_fraction(src_file))
+                    evict(src_files)
+                resident[step].append(min(resident_fraction(f) or 0.0 for f in src_files))
                 if kind == "read":
                     t0 = time.perf_counter()
-                    read_all(src_file)
+                    read_all(src_files)
                     samples[step].append(time.perf_counter() - t0)
                 elif kind == "write":
                     dest.mkdir()
-                    file = dest / "model.safetensors"
                     t0 = time.perf_counter()
-                    save_file(outputs[layout], str(file), metadata={"format": "pt"})
+                    for name, tensors in outputs[layout].items():
+                        save_file(tensors, str(dest / name), metadata={"format": "pt"})
                     t1 = time.perf_counter()
-                    fsync_file(file)
+                    for name in outputs[layout]:
+                        fsync_file(dest / name)
                     t2 = time.perf_counter()
                     samples[step].append(t1 - t0)
                     fsyncs[layout].append(t2 - t1)
@@ -328,7 +353,7 @@ def main(argv=None) -> int:
             )
 
         print(
-            f"\n### Conversion time vs I/O floor (SmolLM2-135M float32, {src_bytes / 1e6:.0f} MB; "
+            f"\n### Conversion time vs I/O floor ({model}, {src_bytes / 1e6:.0f} MB; "
             f"source {'cold' if args.cold else 'warm'} in page cache; medians of {args.repeat})\n"
         )
         print(
@@ -360,7 +385,7 @@ def main(argv=None) -> int:
                 for what in C.rotate(["baseline", *LAYOUTS], rep):
                     os.sync()
                     if args.cold:
-                        evict(src_file)
+                        evict(src_files)
                     mode = "import" if what == "baseline" else "convert"
                     rss[what].append(
                         run_child(mode, src, work / f"rss-{what}", what if what in LAYOUTS else "absorbed")
@@ -425,7 +450,8 @@ def main(argv=None) -> int:
         data = C.header("convert_speed", "cpu", quiet)
         data.update(
             {
-                "source": str(src_file),
+                "source": str(src) if args.llama8b is None else model,
+                "source_files": len(src_files),
                 "source_bytes": src_bytes,
                 "read_bytes": read_bytes,
                 "page_cache": "cold (posix_fadvise DONTNEED before each read/convert step)"

@@ -5,7 +5,8 @@ Cases:
   smollm2   the cached SmolLM2-135M (float32), `--e2e streamed` and `--e2e whole`
   llama8b   a synthetic checkpoint of Llama-3-8B's shape (random bfloat16 weights, written to
             disk as sharded safetensors); `--layers N` writes only N decoder layers so it runs
-            in minutes; the full-size (32-layer) figures are estimated from the same formulas
+            in minutes (`--layers 32`: the whole model, 16 GB on disk, kept as `llama8b_full`);
+            the full-size figures are also estimated from the same formulas
 
 Each run is a fresh subprocess running `python -m convert gqa2mla SRC -o OUT --force -q
 --e2e MODE --tokens T` (default verification dtype float64). Its peak is the child's own
@@ -18,6 +19,7 @@ Estimate: baseline + max(conversion tensors (plan.conversion_memory_bytes), stre
 verification tensors (plan.streamed_verify_memory_bytes)); goal: within 25% of measured.
 
     python bench/memory.py [--layers 2] [--tokens 64] [--cases smollm2,llama8b]
+    python bench/memory.py --cases llama8b --layers 32 --workdir /somewhere/with/50GB
 """
 
 from __future__ import annotations
@@ -169,9 +171,15 @@ def sizes(config: dict) -> dict:
     return {"decoder_layer": decoder, "converted_decoder_layer": converted, "embedding": embed, "largest": largest}
 
 
-def estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "float64") -> dict:
+def _run_dtype(plan, run_dtype: str):
+    """`--dtype` as the verification resolves it for this checkpoint (auto: float32 for bfloat16)."""
+    from convert.options import VerifyOptions
+
+    return VerifyOptions.from_kwargs(dtype=run_dtype).run_dtype(plan.dtype)
+
+
+def estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "auto") -> dict:
     """The plan's peak estimate: baseline + max(conversion, streamed verification), bytes."""
-    from convert.options import TORCH_DTYPES
     from convert.plan import plan_for_config, streamed_verify_memory_bytes
 
     plan = plan_for_config(config)
@@ -184,7 +192,7 @@ def estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "float64
         layer_bytes,
         tensor_bytes,
         plan.dtype,
-        TORCH_DTYPES[run_dtype],
+        _run_dtype(plan, run_dtype),
         tokens=tokens,
         hidden=config["hidden_size"],
         intermediate=config["intermediate_size"],
@@ -194,13 +202,12 @@ def estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "float64
     return {"conversion_bytes": conversion, "verify_bytes": verify, "peak_bytes": baseline + max(conversion, verify)}
 
 
-def whole_estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "float64") -> int:
+def whole_estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "auto") -> int:
     """The estimate `--e2e auto` compares with the memory available: both whole models and their logits."""
-    from convert.options import TORCH_DTYPES
     from convert.plan import plan_for_config, whole_model_activation_bytes, whole_model_memory_bytes
 
     plan = plan_for_config(config)
-    models = whole_model_memory_bytes(plan.checkpoint_bytes, plan.dtype, TORCH_DTYPES[run_dtype])
+    models = whole_model_memory_bytes(plan.checkpoint_bytes, plan.dtype, _run_dtype(plan, run_dtype))
     return baseline + models + whole_model_activation_bytes(tokens, config["vocab_size"])
 
 
@@ -211,13 +218,13 @@ def _itemsize(dtype) -> int:
 
 
 def case(name: str, src: Path, config: dict, tokens: int, modes: list[str], baseline: int, text: Path | None) -> dict:
-    """modes: `--e2e` modes, optionally `:dtype` (the verification dtype; default float64)."""
+    """modes: `--e2e` modes, optionally `:dtype` (the verification dtype; default auto)."""
     s = sizes(config)
     goal = GiB + 2 * s["largest"]
     rows = {}
     for run in modes:
         mode, _, dtype = run.partition(":")
-        dtype = dtype or "float64"
+        dtype = dtype or "auto"
         est = estimate(config, baseline, tokens, dtype)
         with tempfile.TemporaryDirectory(dir=src.parent) as tmp:
             args = ["gqa2mla", str(src), "-o", str(Path(tmp) / "out"), "--force", "-q"]
@@ -278,12 +285,13 @@ def main() -> None:
             t0 = time.perf_counter()
             config = write_synthetic(src, args.layers)
             print(f"wrote the synthetic checkpoint ({args.layers} layers) in {time.perf_counter() - t0:.0f} s")
-            result["llama8b"] = case(
+            key = "llama8b_full" if args.layers == LLAMA3_8B["num_hidden_layers"] else "llama8b"
+            result[key] = case(
                 f"llama8b[{args.layers} layers]",
                 src,
                 config,
                 args.tokens,
-                ["streamed", "streamed:float32"],
+                ["streamed"] if key == "llama8b_full" else ["streamed", "streamed:float64"],
                 baseline,
                 None,
             )
@@ -306,7 +314,11 @@ def main() -> None:
     if path.is_file():  # the cases not run this time keep their last results
         previous = json.loads(path.read_text())
         result = {
-            **{k: v for k, v in previous.items() if k in ("smollm2", "llama8b", "llama8b_full_estimate")},
+            **{
+                k: v
+                for k, v in previous.items()
+                if k in ("smollm2", "llama8b", "llama8b_full", "llama8b_full_estimate")
+            },
             **result,
         }
         result["runs_of"] = {**previous.get("runs_of", {}), **{c: result["command"] for c in cases}}

@@ -6,6 +6,8 @@ mla_model = convert.to_mla(model)
 """
 
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from convert import compress
 from convert._version import __version__
 from convert.arch import AttentionSpec
 from convert.errors import ConvertError
+from convert.heap import release_freed_memory
 from convert.hf import MLA_MODEL_TYPE
 from convert.io import Checkpoint, CheckpointWriter, open_checkpoint, output_lock, parse_size
 from convert.layouts import attention_view
@@ -81,9 +84,9 @@ def _calibration(source, spec: AttentionSpec, opts: ConvertOptions):
     config = source.config or {}
     source = getattr(source, "module_source", source)  # as the original model's modules read it (Phi-3: unsplit)
     ids = _calib_ids(source, opts)
-    if opts.resolved_method == "fisher":
-        progress = _bar("calibrating (Fisher)", "window", opts.progress)
-        return compress.fisher_calibrate(_whole_model(source, config), ids, progress=progress)
+    if opts.resolved_method == "fisher":  # one decoder layer at a time, forward then backward
+        progress = _bar("calibrating (Fisher)", "layer", opts.progress)
+        return compress.fisher_calibrate_streamed(source, config, ids, spec.n_layers, progress=progress)
     return compress.calibrate(source, config, ids, spec.n_layers, progress=_bar("calibrating", "layer", opts.progress))
 
 
@@ -100,15 +103,6 @@ def _calib_ids(source, opts: ConvertOptions) -> torch.Tensor:
 def _bar(desc: str, unit: str, progress: bool):
     """A progress bar over an iterable, shown on a terminal only (and never when quiet)."""
     return lambda items: tqdm(items, desc=desc, unit=unit, disable=None if progress else True)
-
-
-def _whole_model(source, config: dict):
-    """The original model in float32 on the CPU, for the Fisher method's backward pass."""
-    from convert.hf import load_original
-
-    model = load_original(source, config, "cpu", torch.float32)
-    model.requires_grad_(False)
-    return model
 
 
 def output_config(source_config: dict | None, plan: ConversionPlan, opts: ConvertOptions, infos) -> dict:
@@ -192,17 +186,26 @@ def _compression_section(plan: ConversionPlan, opts: ConvertOptions) -> dict | N
 
 
 def _convert_layers(source, plan: ConversionPlan, opts: ConvertOptions, stats, sink) -> list[LayerInfo]:
-    """Convert layer by layer, handing each output tensor (cast to the checkpoint's dtype) to `sink`."""
+    """Convert layer by layer, handing each output tensor (cast to the checkpoint's dtype) to `sink`
+    in layer order. Without sequential calibration, small layers are factored two at a time."""
     spec, infos = plan.spec, []
     sequential = _sequential(source, plan, opts, stats)
-    for layer in _bar("converting", "layer", opts.progress)(range(spec.n_layers)):
+    # The absorbed products come cast to the checkpoint's dtype (small), unless the sequential
+    # calibration runs the layer next and wants them in float64.
+    dtype = plan.dtype if sequential is None else torch.float64
+
+    def convert_one(layer: int):
         weights = read_layer(source, spec, layer)
         weighting = layer_weighting(spec, opts, stats, weights, layer)
         if sequential is not None:
             weighting = _sequential_weighting(
                 weighting, sequential.stats(layer), spec.rope and weights.k_bias is not None
             )
-        tensors, info = convert_layer(weights, spec, opts.latent, opts.layout, plan.layers[layer].ranks, weighting)
+        return convert_layer(weights, spec, opts.latent, opts.layout, plan.layers[layer].ranks, weighting, dtype)
+
+    workers = 1 if sequential is not None else plan.layer_workers()
+    layers = _bar("converting", "layer", opts.progress)(range(spec.n_layers))
+    for layer, (tensors, info) in zip(layers, in_order(convert_one, range(spec.n_layers), workers)):
         prefix = spec.prefix(layer)
         for name in plan.layers[layer].shapes:
             sink(prefix + name, tensors[name].to(plan.dtype).contiguous())
@@ -210,7 +213,29 @@ def _convert_layers(source, plan: ConversionPlan, opts: ConvertOptions, stats, s
         if sequential is not None:
             mla = output_config(source.config, plan, opts, infos)["mla"]
             sequential.advance(layer, mla, {name: tensors[name] for name in plan.layers[layer].shapes})
+        del tensors  # before the next layer's: a bounded number of layers in memory
     return infos
+
+
+def in_order(fn, items, workers: int):
+    """fn(item) for each item, yielded in order, with at most `workers` running at once on
+    threads (torch releases the GIL), each torch op on one thread meanwhile; workers=1 runs inline."""
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            pending = deque()
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                if len(pending) == workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _sequential(source, plan: ConversionPlan, opts: ConvertOptions, stats):
@@ -351,8 +376,13 @@ def gqa2mla(src, output=None, **options) -> ConversionResult:
             t0 = time.perf_counter()
             for name in source.keys():
                 if name not in plan.replaced:
-                    writer.write_raw(name, source.raw_bytes(name))
+                    span = source.raw_span(name)  # None: assembled in memory (Mixtral's stacked experts)
+                    if span is not None:
+                        writer.copy_span(name, *span)
+                    else:
+                        writer.write_chunks(name, source.raw_chunks(name))
             infos = _convert_layers(source, plan, opts, stats, writer.write)
+            release_freed_memory()  # the conversion's freed layers, before verification builds its own
             config = output_config(source.config, plan, opts, infos)
             final, report = _finish(writer, source, src, config, opts, timings, t0)
     timings["total_s"] = time.perf_counter() - start
@@ -364,6 +394,7 @@ def _finish(writer: CheckpointWriter, source: Checkpoint, src: Path, config: dic
     Returns (the committed output directory, the report or None)."""
     writer.write_json("config.json", config)
     _copy_aux_files(source, writer)
+    writer.flush()  # the writer thread has copied what it reads from the source
     timings["convert_s"] = time.perf_counter() - t0
     source.close()  # its mapped pages leave memory; verification opens the checkpoint again
     report = _verify_into(writer, src, opts, timings) if opts.verify else None

@@ -95,7 +95,9 @@ def causal_mask(config, layer: int, x: torch.Tensor, positions: torch.Tensor) ->
     layer_types = getattr(config, "layer_types", None)
     sliding = layer_types[layer] == "sliding_attention" if layer_types else getattr(config, "sliding_window", None)
     make = create_sliding_window_causal_mask if sliding else create_causal_mask
-    return make(config=config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=positions)
+    # no cache: transformers 5.24 renamed the argument (`past_key_values` -> `cache`)
+    no_cache = {"cache" if "cache" in inspect.signature(make).parameters else "past_key_values": None}
+    return make(config=config, inputs_embeds=x, attention_mask=None, position_ids=positions, **no_cache)
 
 
 def build_causal_lm(config: dict, dtype: torch.dtype, attention: str = "eager"):

@@ -29,6 +29,7 @@ TORCH_DTYPES = {
     "float16": torch.float16,
 }
 DTYPES = tuple(TORCH_DTYPES)
+RUN_DTYPES = ("auto", *DTYPES)  # verification: auto follows the checkpoint (`VerifyOptions.run_dtype`)
 
 
 def option(
@@ -81,7 +82,13 @@ class VerifyOptions(_FromKwargs):
     )
     tokens: int = option(256, "Tokens of --text (or random) to verify on.")
     device: str = option("auto", "Where verification runs: auto = CUDA when present, else CPU.", choices=DEVICES)
-    dtype: str = option("float64", "Precision of the verification run; thresholds follow it.", choices=DTYPES)
+    dtype: str = option(
+        "auto",
+        "Precision of the verification run; thresholds follow the coarser of it and the checkpoint's. auto = "
+        "float64 for a float32/float64 checkpoint, float32 for a bfloat16/float16 one (whose own round-off is "
+        "8,000-65,000x float32's: float64 would buy nothing and double the memory).",
+        choices=RUN_DTYPES,
+    )
     max_ppl_ratio: float | None = option(
         None, "Lossy conversions: FAIL when converted/original perplexity on --text exceeds this.", kind=float
     )
@@ -96,7 +103,7 @@ class VerifyOptions(_FromKwargs):
 
     def __post_init__(self) -> None:
         _choice("--device", self.device, DEVICES)
-        _choice("--dtype", self.dtype, DTYPES)
+        _choice("--dtype", self.dtype, RUN_DTYPES)
         _choice("--e2e", self.e2e, E2E_MODES)
         if self.device == "cuda":
             resolve_device(self.device)  # refuse now, before any work, when there is no CUDA
@@ -105,9 +112,11 @@ class VerifyOptions(_FromKwargs):
         if self.max_ppl_ratio is not None and not self.max_ppl_ratio > 0:
             raise ConvertError(f"--max-ppl-ratio {self.max_ppl_ratio} must be a positive ratio (e.g. 1.2)")
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.dtype]
+    def run_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        """The verification run's dtype for a checkpoint stored in `checkpoint_dtype` (resolves auto)."""
+        if self.dtype != "auto":
+            return TORCH_DTYPES[self.dtype]
+        return torch.float32 if torch.finfo(checkpoint_dtype).bits < 32 else torch.float64
 
     @property
     def torch_device(self) -> torch.device:
@@ -161,7 +170,8 @@ class ConvertOptions(VerifyOptions):
     method: str | None = option(
         None,
         "Compression: plain weight SVD; activation-whitened SVD; whitened + weighted by the loss's Fisher "
-        "information of each key/value output (one backward pass of the whole model on --calib). "
+        "information of each key/value output (one backward pass on --calib, one decoder layer in memory at a "
+        "time). "
         "Default: fisher with --calib, else svd.",
         choices=METHODS,
     )

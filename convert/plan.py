@@ -15,6 +15,7 @@ allocating nothing.
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from convert.source import StateDictSource, attention_names, check_layer, norm_s
 # Whole-model verification holds both models plus activations: this many times
 # the checkpoint (in the run's dtype).
 WHOLE_MODEL_FACTOR = 2.5
+SMALL_LAYER_PARAMS = 16 * 2**20  # converted attention parameters below which layers convert side by side
 
 
 # ------------------------------------------------------------------ formulas
@@ -131,17 +133,19 @@ def streamed_verify_memory_bytes(
     layer_bytes: the most module bytes in memory at once, as stored: the larger of a converted
     decoder layer and (per-layer check) an original decoder layer plus a converted attention.
     tensor_bytes: the largest single tensor, as stored. Modules are allocated in `run_dtype` and
-    filled one tensor at a time. Then both models' hidden states of all `tokens`, one layer's
-    activations on a window (MLP (w, 3·intermediate), attention scores (heads, w, w) twice), and
-    one vocabulary chunk: two models' lm_head rows (chunk, hidden) and a few float64 (w, chunk)
-    logits.
+    filled one tensor at a time, each read as stored and cast by the copy into the module. Then
+    both models' hidden states of all `tokens`, one layer's activations on a window (MLP
+    (w, 3·intermediate), attention scores (heads, w, w) twice), and one vocabulary chunk: two models' lm_head rows (chunk, hidden) as read and in the run's
+    dtype, and the float64 (w, chunk) tensors `streamed._window_figures` holds at once (both
+    models' logits, the previous chunk's while the next is made, their difference, the
+    softmax weights and the temporaries of their products: nine).
     """
     run = itemsize(run_dtype)
     w = min(tokens, window)
-    modules = (layer_bytes * run + tensor_bytes * max(run, itemsize(checkpoint_dtype))) // itemsize(checkpoint_dtype)
+    modules = layer_bytes * run // itemsize(checkpoint_dtype) + tensor_bytes
     states = 2 * 2 * tokens * hidden * run
     inside = w * (3 * intermediate + 6 * hidden) * run + 2 * n_heads * w * w * max(run, 4)
-    logits = 6 * w * vocab_chunk * 8 + 2 * vocab_chunk * hidden * run
+    logits = 9 * w * vocab_chunk * 8 + 2 * vocab_chunk * hidden * (run + itemsize(checkpoint_dtype))
     return modules + states + inside + logits
 
 
@@ -160,8 +164,6 @@ def available_memory_bytes(device: torch.device) -> int:
             fields = dict(line.split(":", 1) for line in f)
         return int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
-        import os
-
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -247,15 +249,35 @@ class ConversionPlan:
     def checkpoint_bytes(self) -> int:
         return sum(math.prod(shape) * itemsize(dtype) for shape, dtype in self.source_tensors.values())
 
+    def layer_workers(self) -> int:
+        """Layers converted at once (`api._convert_layers`): small layers' factorizations (SmolLM2:
+        576 × 576) leave cores idle inside one op, so two run side by side, one thread each; a
+        large layer's ops use every core by themselves."""
+        small = max(layer.params for layer in self.layers) < SMALL_LAYER_PARAMS
+        return min(2, os.cpu_count() or 1) if small else 1
+
     def conversion_memory_bytes(self) -> int:
-        """Peak tensor memory of the streamed conversion: the largest layer's attention in float64,
-        source and converted together, plus the largest tensor copied through."""
-        per_layer = max(self._layer_source_params(i) + layer.params for i, layer in enumerate(self.layers))
-        copied = max(
-            (math.prod(s) * itemsize(d) for n, (s, d) in self.source_tensors.items() if n not in self.replaced),
-            default=0,
-        )
-        return per_layer * itemsize(torch.float64) + copied
+        """Peak tensor memory of the streamed conversion (`api._convert_layers`): for each layer
+        in flight, its source attention in float64 and its outputs (the absorbed Ŵ^Q, Ŵ^O in the
+        checkpoint's dtype, the rest in float64, and the per-head up-projections they are made
+        from), one block of absorbed products, and the writer's queue (`QUEUE_BYTES`, or all the
+        converted tensors if fewer) plus the tensor it is writing. Tensors copied through are
+        copied file to file: no memory."""
+        from convert.io.writer import QUEUE_BYTES
+        from convert.linalg.absorb import BLOCK_BYTES
+
+        size, f64 = itemsize(self.dtype), itemsize(torch.float64)
+        absorbed = ("q_absorbed.", "o_absorbed.")
+
+        def layer_bytes(i: int, layer: LayerPlan) -> int:
+            out = sum(math.prod(s) * (size if n.startswith(absorbed) else f64) for n, s in layer.shapes.items())
+            ups = 2 * self.spec.n_heads * self.spec.head_dim * max(layer.ranks.values()) * f64
+            return self._layer_source_params(i) * f64 + out + ups
+
+        in_flight = self.layer_workers() * max(layer_bytes(i, layer) for i, layer in enumerate(self.layers))
+        converted = sum(layer.params for layer in self.layers) * size
+        largest = max(math.prod(s) for layer in self.layers for s in layer.shapes.values()) * size
+        return in_flight + BLOCK_BYTES + min(QUEUE_BYTES, converted) + largest
 
     def whole_model_memory_bytes(self, run_dtype: torch.dtype) -> int:
         """Memory of whole-model verification: both models and activations, in `run_dtype`."""

@@ -102,13 +102,36 @@ class LayerStream:
             hidden = hidden * torch.tensor(self.ref_config.hidden_size**0.5, dtype=self.dtype)
         return hidden
 
+    def decoder(self, layer: int) -> torch.nn.Module:
+        """transformers' own decoder layer `layer`, with the original weights."""
+        build = functools.partial(self.decoder_cls, self.ref_config, layer)
+        return materialize(build, self.checkpoint, f"model.layers.{layer}.", self.device, self.dtype)
+
+    def final_norm(self, checkpoint=None) -> torch.nn.Module:
+        """The model's final norm (the family's own class, as its decoder layers use), from
+        `checkpoint` (default the original's)."""
+        with torch.device("meta"):
+            cls = type(self.decoder_cls(self.mask_config, 0).post_attention_layernorm)
+        build = lambda: cls(self.ref_config.hidden_size, eps=getattr(self.ref_config, "rms_norm_eps", 1e-6))
+        source = self.checkpoint if checkpoint is None else checkpoint
+        return materialize(build, source, "model.norm.", self.device, self.dtype)
+
+    def head_name(self, checkpoint=None) -> str:
+        """The lm_head's tensor: its own, or the embedding table it is tied to."""
+        source = self.checkpoint if checkpoint is None else checkpoint
+        return "lm_head.weight" if "lm_head.weight" in source else self.arch.embed
+
+    @property
+    def final_softcap(self) -> float | None:
+        """The causal LM's final logit soft-cap (Gemma 2), else None."""
+        return getattr(self.ref_config, "final_logit_softcapping", None) if self.arch.gemma_scores else None
+
     def run(self, token_ids: torch.Tensor, n_layers: int, progress=iter):
         """Yield (layer, x, decoder, (positions, rotary, mask)) for each layer, x (B, L, D)
         the normed hidden states entering its attention; advances when resumed."""
         hidden = self.embed(token_ids)  # (B, L, D)
         for layer in progress(range(n_layers)):
-            build = functools.partial(self.decoder_cls, self.ref_config, layer)
-            decoder = materialize(build, self.checkpoint, f"model.layers.{layer}.", self.device, self.dtype)
+            decoder = self.decoder(layer)
             with torch.no_grad():
                 x = decoder.input_layernorm(hidden) if self.arch.pre_norm else hidden  # OLMo 2: post-norm
                 inputs = self.inputs(layer, x)

@@ -1,6 +1,8 @@
 """The pure state-dict transform: one layer's GQA attention tensors -> MLA tensors.
 
-No files and no modules here: tensors in, tensors out (float64; callers cast).
+No files and no modules here: tensors in, tensors out (float64; `dtype` for the absorbed
+Ŵ^Q and Ŵ^O, the layer's largest, cast head by head; the factored layout's W^Q and W^O as
+given; callers cast the rest).
 Output tensor names are relative to the layer's attention prefix and match the
 submodules of `convert.mla.MLAAttention`:
 
@@ -148,9 +150,20 @@ def factor_layer(w: LayerWeights, spec: AttentionSpec, latent: str, layout: str,
 
 
 def convert_layer(
-    w: LayerWeights, spec: AttentionSpec, latent: str, layout: str, ranks: dict | None = None, weighting=None
+    w: LayerWeights,
+    spec: AttentionSpec,
+    latent: str,
+    layout: str,
+    ranks: dict | None = None,
+    weighting=None,
+    dtype: torch.dtype = torch.float64,
 ):
-    """Convert one layer. Returns (tensors by relative name, LayerInfo)."""
+    """Convert one layer. Returns (tensors by relative name, LayerInfo).
+
+    dtype: of the absorbed Ŵ^Q and Ŵ^O (computed in float64 head by head, cast as stored:
+    the checkpoint's dtype keeps a large model's layer small); the other tensors are float64,
+    but the factored layout's W^Q and W^O, which are the source's own.
+    """
     key_f, value_f, affine, notes = factor_layer(w, spec, latent, layout, ranks, weighting)
     out = _down_tensors(key_f, value_f, affine, latent)
     normed = None  # q/k norm, compressed: the factor of the normed keys
@@ -166,18 +179,18 @@ def convert_layer(
         out |= {"q_norm.weight": w.q_norm.double(), "k_norm.weight": w.k_norm.double(), "k_up.weight": up_k}
         o_name = "o_absorbed" if layout == "absorbed" else "o_proj"
         if layout == "absorbed":
-            out["o_absorbed.weight"] = absorb_output(w.o, up_v, spec.n_heads)  # (D, H·r_V)
+            out["o_absorbed.weight"] = absorb_output(w.o, up_v, spec.n_heads, dtype)  # (D, H·r_V)
         else:
             out |= {"v_up.weight": up_v, "o_proj.weight": w.o.double()}
         out |= {f"{o_name}.bias": out_bias} if out_bias is not None else {}
     elif layout == "absorbed":
-        q_hat = absorb_query(with_bias(w.q, w.q_bias), up_k, spec.n_heads)  # (H·r_K, D[+1])
+        q_hat = absorb_query(with_bias(w.q, w.q_bias), up_k, spec.n_heads, dtype)  # (H·r_K, D[+1])
         out |= _split_bias(q_hat, w.q_bias is not None, "q_absorbed")
-        out["o_absorbed.weight"] = absorb_output(w.o, up_v, spec.n_heads)  # (D, H·r_V)
+        out["o_absorbed.weight"] = absorb_output(w.o, up_v, spec.n_heads, dtype)  # (D, H·r_V)
         out |= {"o_absorbed.bias": out_bias} if out_bias is not None else {}
-    else:
-        out |= _split_bias(with_bias(w.q, w.q_bias), w.q_bias is not None, "q_proj")
-        out |= {"k_up.weight": up_k, "v_up.weight": up_v, "o_proj.weight": w.o.double()}
+    else:  # W^Q and W^O as they are (the caller's cast to the checkpoint's dtype is then a no-op)
+        out |= {"q_proj.weight": w.q} | ({"q_proj.bias": w.q_bias} if w.q_bias is not None else {})
+        out |= {"k_up.weight": up_k, "v_up.weight": up_v, "o_proj.weight": w.o}
         out |= {"o_proj.bias": out_bias} if out_bias is not None else {}
     key_target = None if normed is None else torch.eye(normed.up.shape[0], dtype=torch.float64)
     return out, _layer_info(w, spec, key_f, value_f, affine, latent, layout, notes, key_target)

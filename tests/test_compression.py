@@ -173,3 +173,32 @@ def test_fisher_pass_computes_no_weight_gradients_and_leaves_the_model_as_it_was
     stats = fisher_calibrate(model, ids, window=32)
     assert all(s.key_fisher.trace() > 0 and s.value_fisher.trace() > 0 for s in stats)
     assert all(p.requires_grad and p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "olmo2", "gemma3_text", "mixtral"])
+def test_streamed_fisher_pass_equals_the_whole_model_pass(family, tmp_path):
+    """The Fisher statistics gathered one decoder layer at a time from the checkpoint (forward,
+    the loss's gradient in vocabulary chunks, then backward layer by layer from stored inputs)
+    are the whole model's backward pass's: input moments, key and value gradient moments, the
+    normed keys' moments (q/k norm); soft-capped logits (Gemma 2), post-norm layers (OLMo 2),
+    experts (Mixtral) included."""
+    from convert.compress import fisher_calibrate
+    from convert.compress.calibrate import fisher_calibrate_streamed
+    from convert.io import open_checkpoint
+
+    model = hf_model(family)
+    if family == "gemma2":
+        model.config.final_logit_softcapping = 3.0  # a cap that bites on these logits
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(0, 128, (1, 96), generator=torch.Generator().manual_seed(1))
+    whole = fisher_calibrate(model, ids, window=32)
+    config = json.loads((tmp_path / "config.json").read_text())
+    with open_checkpoint(tmp_path) as checkpoint:
+        streamed = fisher_calibrate_streamed(checkpoint, config, ids, len(whole), window=32)
+    rel = lambda a, b: float((a - b).norm() / b.norm())
+    for ours, theirs in zip(streamed, whole, strict=True):
+        assert rel(ours.moment, theirs.moment) < 1e-6 and rel(ours.mean, theirs.mean) < 1e-6
+        assert rel(ours.key_fisher, theirs.key_fisher) < 1e-5 and rel(ours.value_fisher, theirs.value_fisher) < 1e-5
+        assert (ours.normed_key_moment is None) == (theirs.normed_key_moment is None)
+        if theirs.normed_key_moment is not None:
+            assert rel(ours.normed_key_moment, theirs.normed_key_moment) < 1e-6

@@ -515,6 +515,7 @@ def test_extra_files_and_tmp_dir(tmp_path: Path) -> None:
         w.write_text("README.md", "hi\n")
         w.write_file("plot.png", b"\x89PNG\r\n")
         assert json.loads((w.tmp_dir / "config.json").read_text()) == {"hidden_size": 4}
+        w.flush()  # the writer thread has written what it was handed
         with open_checkpoint(w.tmp_dir) as ckpt:  # readable before commit
             assert torch.equal(ckpt.get("a"), torch.ones(1))
             assert ckpt.config == {"hidden_size": 4}
@@ -583,3 +584,59 @@ def test_parse_size(text: str, expected: int) -> None:
 def test_parse_size_errors(text: str) -> None:
     with pytest.raises(ConvertError, match="--max-shard-size"):
         parse_size(text)
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False], ids=["copy_file_range", "buffered"])
+def test_copy_span_copies_stored_bytes_file_to_file(tmp_path: Path, monkeypatch, kernel_copy: bool) -> None:
+    """A tensor copied through (`copy_span`) lands byte for byte, by copy_file_range or, where the
+    file systems refuse it, through a buffer; a source that ends early is an error, not zeros."""
+    import errno
+    import os
+
+    src = tmp_path / "src.safetensors"
+    tensors = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16)}
+    save_file(tensors, src)
+    if not kernel_copy:
+
+        def refuse(*args):
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    plan = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+    with open_checkpoint(src) as ckpt, CheckpointWriter(tmp_path / "out", plan, 10**9) as w:
+        for name in tensors:
+            w.copy_span(name, *ckpt.raw_span(name))
+        out = w.commit()
+    got = load_file(out / "model.safetensors")
+    assert all(torch.equal(got[name], tensors[name]) for name in tensors)
+    with open_checkpoint(src) as ckpt, CheckpointWriter(tmp_path / "short", plan, 10**9) as w:
+        path, offset, nbytes = ckpt.raw_span("a")
+        w.copy_span("a", path, src.stat().st_size - 100, nbytes)  # runs past the end of the file
+        with pytest.raises(ConvertError, match="bytes missing"):
+            w.flush()
+
+
+def test_a_checkpoint_is_read_from_several_threads(tmp_path: Path, monkeypatch) -> None:
+    """Layers are converted two at a time, each thread reading its tensors: the checkpoint opens
+    one handle per file whatever the threads do (two handles, one dropped, once closed the other's
+    descriptor under its read: 'Bad file descriptor', exit 3). A slow open widens the race."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import convert.io.reader as reader_module
+
+    opened = []
+
+    def slow_open(*args, **kwargs):
+        opened.append(args[0])
+        time.sleep(0.02)
+        return open(*args, **kwargs)
+
+    monkeypatch.setattr(reader_module, "open", slow_open, raising=False)
+    tensors = {f"t{i}": torch.full((64, 64), float(i)) for i in range(16)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    with open_checkpoint(tmp_path) as ckpt, ThreadPoolExecutor(8) as pool:
+        before = len(opened)  # the header's read
+        got = dict(zip(tensors, pool.map(ckpt.read, tensors)))
+    assert all(torch.equal(got[name], tensors[name]) for name in tensors)
+    assert len(opened) - before == 1, opened

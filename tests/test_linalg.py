@@ -277,3 +277,25 @@ def test_absorb_query_carries_a_bias_column():
         sl, sr = slice(h * d, (h + 1) * d), slice(h * r, (h + 1) * r)
         q_h = w_q[sl] @ x + b_q[sl]
         assert float((aug[sr, :-1] @ x + aug[sr, -1]) @ c) == pytest.approx(float(q_h @ (up_k[sl] @ c)), rel=1e-12)
+
+
+def test_absorbed_products_in_blocks_of_heads_equal_the_one_block_products(monkeypatch):
+    """Ŵ^Q and Ŵ^O computed a few heads at a time (a Llama-3-8B layer's would be 1 GiB at once)
+    are the same numbers; cast as stored to bfloat16 they are the float64 products rounded,
+    computed in float32 (an ulp apart at most, where a value sits on a rounding boundary)."""
+    import convert.linalg.absorb as absorb
+
+    H, d, r, X = 6, 8, 10, 20
+    w_q, up_k = _randn(H * d, X, seed=51), _randn(H * d, r, seed=52)
+    w_o, up_v = _randn(X, H * d, seed=53), _randn(H * d, r, seed=54)
+    whole_q, whole_o = absorb_query(w_q, up_k, H), absorb_output(w_o, up_v, H)
+    monkeypatch.setattr(absorb, "BLOCK_BYTES", 8 * r * X * 2)  # two heads per block
+    assert torch.equal(absorb_query(w_q, up_k, H), whole_q) and torch.equal(absorb_output(w_o, up_v, H), whole_o)
+    for got, want in (
+        (absorb_query(w_q, up_k, H, torch.bfloat16), whole_q),
+        (absorb_output(w_o, up_v, H, torch.bfloat16), whole_o),
+    ):
+        assert got.dtype == torch.bfloat16
+        ulp = want.abs() * 2.0**-7  # bfloat16's spacing: 8 bits of mantissa
+        assert bool(((got.double() - want).abs() <= ulp).all())
+        assert float((got.double() - want.to(torch.bfloat16).double()).ne(0).double().mean()) < 0.02

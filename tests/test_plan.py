@@ -143,9 +143,15 @@ def test_the_writer_layout_covers_every_tensor():
     assert not plan.replaced & set(out)
     assert "model.layers.31.self_attn.q_absorbed.weight" in out and "model.embed_tokens.weight" in out
     assert out["model.embed_tokens.weight"] == ((32000, 4096), torch.bfloat16)
-    # Memory of the streamed conversion: one layer's attention in float64 (source + converted)
-    # and the largest tensor copied through (the embedding), not the model.
+    # Memory of the streamed conversion: one layer at a time (its layers are large): its source
+    # attention and its latent factors in float64, the absorbed products (the largest tensors)
+    # in bfloat16 with the per-head up-projections they are made from, one 64 MiB block of
+    # products, the writer's 64 MiB queue and the tensor it writes. Not the model, and not the
+    # embedding: tensors copied through go file to file.
     hidden, heads, groups, d = 4096, 32, 8, 128
+    rank = groups * d
     source = 2 * heads * d * hidden + 2 * groups * d * hidden
-    converted = 2 * groups * d * hidden + 2 * heads * groups * d * hidden
-    assert plan.conversion_memory_bytes() == 8 * (source + converted) + 32000 * 4096 * BF16
+    factors, products, ups = 2 * rank * hidden, 2 * heads * rank * hidden, 2 * heads * d * rank
+    layer = 8 * (source + factors + ups) + BF16 * products
+    assert plan.layer_workers() == 1
+    assert plan.conversion_memory_bytes() == layer + 2 * 64 * 2**20 + heads * rank * hidden * BF16

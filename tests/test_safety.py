@@ -510,8 +510,8 @@ class _FullDisk:
     def __exit__(self, *exc):
         self._f.close()
 
-    def seek(self, *args):
-        return self._f.seek(*args)
+    def __getattr__(self, name):  # seek, flush, fileno, close: the real file's
+        return getattr(self._f, name)
 
     def write(self, data):
         raise OSError(self._code, os.strerror(self._code))

@@ -138,3 +138,17 @@ def test_joint_latent_caches_one_tensor(tmp_path):
     assert result.passed, result.report["failures"]
     assert result.report["end_to_end"] is None and "no transformers" in result.report["end_to_end_skipped"]
     assert result.config["mla"]["layers"][0]["rank_kv"] == 2 * G * d
+
+
+def test_verification_dtype_auto_follows_the_checkpoint():
+    """--dtype auto runs a float32 checkpoint in float64 (round-off 1e-16 shows an exact
+    conversion's 1e-7) and a half-precision one in float32 (its own rounding, 2^-8, is what
+    there is to see; float64 would double every layer's memory for nothing); a given dtype wins."""
+    from convert.options import VerifyOptions
+
+    auto = VerifyOptions()
+    assert auto.dtype == "auto"
+    assert auto.run_dtype(torch.float32) == torch.float64 and auto.run_dtype(torch.float64) == torch.float64
+    assert auto.run_dtype(torch.bfloat16) == torch.float32 and auto.run_dtype(torch.float16) == torch.float32
+    assert VerifyOptions(dtype="float64").run_dtype(torch.bfloat16) == torch.float64
+    assert VerifyOptions(dtype="float32").run_dtype(torch.float32) == torch.float32

@@ -9,7 +9,7 @@ import torch
 
 from convert.arch import AttentionSpec
 from convert.compress.allocate import Latent, allocate_global
-from convert.compress.calibrate import LayerStats, calibrate, fisher_calibrate
+from convert.compress.calibrate import LayerStats, calibrate, fisher_calibrate, fisher_calibrate_streamed
 from convert.compress.weights import METHODS, Weighting, layer_weighting
 from convert.linalg.weighted import decoupled_spectrum, pair_weighted_moment_spectrum, weighted_spectrum
 from convert.transform import LayerWeights, with_bias
@@ -20,6 +20,7 @@ __all__ = [
     "Weighting",
     "calibrate",
     "fisher_calibrate",
+    "fisher_calibrate_streamed",
     "layer_weighting",
     "allocate_global",
     "layer_latents",

@@ -78,26 +78,8 @@ def fisher_calibrate(model, token_ids: torch.Tensor, window: int = 1024, progres
     """
     rows = windows(token_ids, min(window, token_ids.shape[-1]))  # (B, L)
     layers = model.model.layers
-    dim = layers[0].self_attn.k_proj.in_features
-    acc = [
-        {
-            "moment": torch.zeros(dim, dim, dtype=torch.float64),
-            "sum": torch.zeros(dim, dtype=torch.float64),
-            "key": 0,
-            "value": 0,
-            "tokens": 0,
-        }
-        for _ in layers
-    ]
-    hooks = []
-    for i, layer in enumerate(layers):
-        attention = layer.self_attn
-        if hasattr(attention, "k_norm"):  # q/k norm: the keys that matter are the normed ones, n
-            hooks.append(_hook(attention.k_proj, acc[i], None, inputs=True))
-            hooks.append(_normed_key_hook(attention.k_norm, acc[i], attention.k_proj.out_features))
-        else:
-            hooks.append(_hook(attention.k_proj, acc[i], "key", inputs=True))
-        hooks.append(_hook(attention.v_proj, acc[i], "value", inputs=False))
+    acc = [_accumulator(layer.self_attn.k_proj.in_features) for layer in layers]
+    hooks = [h for layer, a in zip(layers, acc) for h in _fisher_hooks(layer.self_attn, a)]
     # only activations' gradients are wanted: no weight gradients (a model's worth of memory, and
     # half the backward's work); they flow from the embeddings, which require one
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -113,16 +95,121 @@ def fisher_calibrate(model, token_ids: torch.Tensor, window: int = 1024, progres
             h.remove()
         for p in trainable:
             p.requires_grad_(True)
-    return [
-        LayerStats(
-            a["moment"] / a["tokens"],
-            a["sum"] / a["tokens"],
-            key_fisher=a["key"] / a["tokens"],
-            value_fisher=a["value"] / a["tokens"],
-            normed_key_moment=a["normed"] / a["tokens"] if "normed" in a else None,
-        )
-        for a in acc
-    ]
+    return [_layer_stats(a) for a in acc]
+
+
+def fisher_calibrate_streamed(
+    checkpoint,
+    config: dict,
+    token_ids: torch.Tensor,
+    n_layers: int,
+    window: int = 1024,
+    device="cpu",
+    progress=iter,
+    dtype=torch.float32,
+) -> list[LayerStats]:
+    """`fisher_calibrate`'s statistics without the whole model in memory: the original model's
+    decoder layers are read one at a time from `checkpoint`, forward (keeping each layer's input
+    hidden states), then the loss's gradient through the final norm and the lm_head in
+    vocabulary chunks, then backward from the last layer to the first, each layer rebuilt and
+    re-run on its stored input. The same K-FAC statistics (in `dtype`, float32 by default as the
+    whole model computes them; its loss gradient a little closer to float64's, since the whole
+    model's cross-entropy on float32 logits cancels in p − 1 at confident tokens). Memory: one
+    decoder layer, one vocabulary chunk, and n_layers × tokens × D hidden states (SmolLM2,
+    4,096 tokens: 283 MB)."""
+    rows = windows(token_ids, min(window, token_ids.shape[-1]))  # (B, L)
+    stream = LayerStream(checkpoint, config, torch.device(device), dtype)
+    stored = []  # each layer's input hidden states (B, L, D)
+    hidden = stream.embed(rows)
+    with torch.no_grad():
+        for layer in progress(range(n_layers)):
+            stored.append(hidden)
+            hidden = _run_decoder(stream, stream.decoder(layer), layer, hidden)
+    hidden = hidden.detach().requires_grad_(True)
+    normed = stream.final_norm()(hidden)  # (B, L, D)
+    (grad,) = torch.autograd.grad(normed, hidden, _loss_grad(stream, normed.detach(), rows))
+    acc = []
+    for layer in progress(reversed(range(n_layers))):
+        decoder = stream.decoder(layer).requires_grad_(False)
+        acc.append(_accumulator(decoder.self_attn.k_proj.in_features))
+        hooks = _fisher_hooks(decoder.self_attn, acc[-1])
+        x = stored.pop().requires_grad_(True)
+        try:
+            (grad,) = torch.autograd.grad(_run_decoder(stream, decoder, layer, x), x, grad)
+        finally:
+            for h in hooks:
+                h.remove()
+    return [_layer_stats(a) for a in reversed(acc)]
+
+
+def _run_decoder(stream: LayerStream, decoder, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+    positions, rotary, mask = stream.inputs(layer, hidden)
+    out = decoder(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _loss_grad(stream: LayerStream, normed: torch.Tensor, rows: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """∂(summed next-token loss)/∂(final normed hidden states) (B, L, D), the lm_head read `chunk`
+    rows at a time: a first pass for each token's logsumexp, a second for softmax − one-hot
+    times the rows (through the soft-cap's derivative where there is one). The last token of
+    each row predicts nothing."""
+    name, cap = stream.head_name(), stream.final_softcap
+    h = normed.reshape(-1, normed.shape[-1]).to(torch.promote_types(normed.dtype, torch.float32))  # (N, D)
+    targets = torch.cat([rows[:, 1:], torch.full_like(rows[:, :1], -1)], 1).reshape(-1)  # (N,), -1: none
+    vocab = stream.checkpoint.shape(name)[0]
+    read = getattr(stream.checkpoint, "read_rows", None) or stream.checkpoint.get_rows
+
+    def logits(start: int):
+        w = read(name, start, min(start + chunk, vocab)).to(h.device, h.dtype)  # (C, D)
+        z = h @ w.T  # (N, C)
+        return w, z, (torch.tanh(z / cap) * cap if cap is not None else z)
+
+    lse = torch.full((h.shape[0],), float("-inf"), device=h.device, dtype=h.dtype)
+    for start in range(0, vocab, chunk):
+        lse = torch.logaddexp(lse, torch.logsumexp(logits(start)[2], -1))
+    grad = torch.zeros_like(h)
+    for start in range(0, vocab, chunk):
+        w, z, capped = logits(start)
+        p = torch.exp(capped - lse[:, None])  # (N, C) softmax
+        inside = (targets >= start) & (targets < start + w.shape[0])
+        p[inside.nonzero()[:, 0], targets[inside] - start] -= 1.0
+        if cap is not None:
+            p = p * (1 - torch.tanh(z / cap) ** 2)
+        grad += p @ w
+    grad[targets < 0] = 0.0
+    return grad.reshape(normed.shape).to(normed.dtype)
+
+
+def _accumulator(dim: int) -> dict:
+    return {
+        "moment": torch.zeros(dim, dim, dtype=torch.float64),
+        "sum": torch.zeros(dim, dtype=torch.float64),
+        "key": 0,
+        "value": 0,
+        "tokens": 0,
+    }
+
+
+def _fisher_hooks(attention: torch.nn.Module, acc: dict) -> list:
+    """The hooks that accumulate a layer's input moments and its K/V output gradients' E[g gᵀ]."""
+    if hasattr(attention, "k_norm"):  # q/k norm: the keys that matter are the normed ones, n
+        keys = [
+            _hook(attention.k_proj, acc, None, inputs=True),
+            _normed_key_hook(attention.k_norm, acc, attention.k_proj.out_features),
+        ]
+    else:
+        keys = [_hook(attention.k_proj, acc, "key", inputs=True)]
+    return keys + [_hook(attention.v_proj, acc, "value", inputs=False)]
+
+
+def _layer_stats(a: dict) -> LayerStats:
+    return LayerStats(
+        a["moment"] / a["tokens"],
+        a["sum"] / a["tokens"],
+        key_fisher=a["key"] / a["tokens"],
+        value_fisher=a["value"] / a["tokens"],
+        normed_key_moment=a["normed"] / a["tokens"] if "normed" in a else None,
+    )
 
 
 #: Tokens per chunk of the calibration loss: (chunk × vocab) logits live at once, not (window × vocab).

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -35,6 +36,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 # and the shard index a few more. Deeper JSON is refused before Python's
 # recursion limit is anywhere near.
 MAX_HEADER_DEPTH = 3
+RAW_CHUNK = 64 * 1024 * 1024  # bytes per read when copying or comparing stored tensors
 MAX_JSON_DEPTH = 32
 
 _NOT_SAFETENSORS_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl", ".gguf", ".h5", ".msgpack"}
@@ -426,6 +428,7 @@ class Checkpoint:
         self.config: dict[str, Any] | None = _read_config(root / CONFIG_NAME)
         self._handles: dict[Path, Any] = {}
         self._raw: dict[Path, BinaryIO] = {}
+        self._opening = threading.Lock()  # layers are read from two threads: one handle per file
 
     # -- introspection
     def keys(self) -> list[str]:
@@ -466,11 +469,11 @@ class Checkpoint:
 
     # -- reading
     def _handle(self, file: Path) -> Any:
-        handle = self._handles.get(file)
-        if handle is None:
-            handle = safe_open(str(file), framework="pt")
-            self._handles[file] = handle
-        return handle
+        with self._opening:
+            handle = self._handles.get(file)
+            if handle is None:
+                handle = self._handles[file] = safe_open(str(file), framework="pt")
+            return handle
 
     def get(self, name: str) -> torch.Tensor:
         """Read one tensor (only its bytes) from disk."""
@@ -518,27 +521,29 @@ class Checkpoint:
         return torch.frombuffer(data, dtype=entry.dtype).reshape(shape)
 
     def _raw_file(self, file: Path) -> BinaryIO:
-        f = self._raw.get(file)
-        if f is None:
-            f = open(file, "rb")
-            self._raw[file] = f
-        return f
+        # Under a lock: two threads opening the same file would each keep a handle, and the one
+        # dropped from the dict would close its descriptor under the other's read.
+        with self._opening:
+            f = self._raw.get(file)
+            if f is None:
+                f = self._raw[file] = open(file, "rb")
+            return f
 
     def raw_bytes(self, name: str) -> bytes:
         """The tensor's exact bytes as stored in the file (for bit-for-bit copies)."""
+        return b"".join(self.raw_chunks(name, self.entry(name).nbytes or 1))
+
+    def raw_span(self, name: str) -> tuple[Path, int, int]:
+        """(file, offset, nbytes) of the tensor's stored bytes: what a byte-for-byte copy reads."""
         entry = self.entry(name)
-        f = self._raw.get(entry.file)
-        if f is None:
-            f = open(entry.file, "rb")
-            self._raw[entry.file] = f
-        f.seek(entry.start)
-        data = f.read(entry.nbytes)
-        if len(data) != entry.nbytes:
-            raise ConvertError(
-                f"{entry.file}: tensor '{name}' data ends early (file shrank while open?); "
-                "re-download or re-export the checkpoint"
-            )
-        return data
+        return entry.file, entry.start, entry.nbytes
+
+    def raw_chunks(self, name: str, size: int = RAW_CHUNK):
+        """The tensor's exact bytes as stored, `size` bytes at a time (a large embedding is
+        compared without ever being in memory whole)."""
+        entry = self.entry(name)
+        for start in range(entry.start, entry.stop, size):
+            yield self._pread(name, entry, start, min(size, entry.stop - start))
 
     # -- lifetime
     def close(self) -> None:

@@ -3,7 +3,11 @@
 The full tensor plan (name -> shape, dtype) is known up front, so every
 shard's header is written and the file preallocated before any data arrives.
 Each ``write()`` then seeks to the tensor's slot, which lets tensors arrive in
-any order while memory stays bounded by one tensor.
+any order. Writes happen on background threads (`_WriteBehind`: one for computed
+tensors, one for tensors copied file to file) while the caller computes the next
+layer, with the dirty pages flushed to disk as they accumulate, so commit's
+fsync finds little left to do; at most ``QUEUE_BYTES`` of queued tensors (or
+one larger tensor) wait in memory.
 
 Everything is written to a hidden temporary sibling directory
 (``.NAME.tmp-<pid>-<random>``, created with the process umask) and moved into
@@ -18,13 +22,16 @@ directory is convert's to replace (``convert.io.output``). An ``OSError``
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
+import queue
 import re
 import shutil
 import struct
+import threading
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -36,7 +43,7 @@ import torch
 from convert.errors import ConvertError
 from convert.io.atomic import environment_errors, fsync_dir, make_sibling, move_into_place, signals_deferred
 from convert.io.output import MANIFEST_NAME, check_output, finish_manifest, output_lock, start_manifest
-from convert.io.reader import INDEX_NAME, SINGLE_NAME, TORCH_TO_SAFETENSORS, dtype_itemsize
+from convert.io.reader import INDEX_NAME, RAW_CHUNK, SINGLE_NAME, TORCH_TO_SAFETENSORS, dtype_itemsize
 
 log = logging.getLogger("convert")
 
@@ -111,6 +118,157 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
+QUEUE_BYTES = 64 * 2**20  # queued tensor bytes before write() waits for the writer thread
+SYNC_BYTES = 64 * 2**20  # written bytes per shard before the writer thread flushes them to disk
+
+
+@dataclass
+class _Span:
+    """`nbytes` bytes at `offset` of the file `path`: copied file to file, never through memory."""
+
+    path: Path
+    offset: int
+
+
+@dataclass
+class _Job:
+    """Bytes for one slot, `nbytes` long: `pieces` is a memoryview, an iterable of bytes read
+    lazily, or a `_Span` of another file."""
+
+    name: str
+    path: Path
+    offset: int
+    pieces: Any
+    nbytes: int
+    queued: int  # bytes held in memory while queued (0 for lazily read pieces)
+
+
+class _WriteBehind:
+    """One thread writing queued byte ranges into the shard files while the caller computes.
+
+    `submit` blocks while more than `limit` bytes are queued (one larger job is let through
+    alone). The first error is kept and raised by the next `submit` or `wait`; the jobs after it
+    are dropped. `sync` bytes written to a file since its last flush trigger an fdatasync on this
+    thread, so the disk works during the computation instead of all at commit.
+    """
+
+    def __init__(self, limit: int = QUEUE_BYTES, sync: int = SYNC_BYTES) -> None:
+        self._limit, self._sync = limit, sync
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._room = threading.Condition()
+        self._queued = 0
+        self._error: BaseException | None = None
+        self._stop = False
+        self._files: dict[Path, Any] = {}
+        self._unsynced: dict[Path, int] = {}
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: _Job) -> None:
+        self._raise()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="convert-writer", daemon=True)
+            self._thread.start()
+        with self._room:
+            while self._queued and self._queued + job.queued > self._limit and self._error is None:
+                self._room.wait()
+            self._queued += job.queued
+        self._jobs.put(job)
+
+    def wait(self) -> None:
+        """Until everything submitted is written (or failed); raises the first error."""
+        if self._thread is not None:
+            self._jobs.join()
+        self._raise()
+
+    def close(self) -> None:
+        """Stop (the job in progress ends at its next piece), join the thread, close the files."""
+        self._stop = True
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._stop = True
+            raise error
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                if self._error is None and not self._stop:
+                    self._write(job)
+            except BaseException as error:  # handed to the caller's thread
+                self._error = error
+            finally:
+                with self._room:
+                    self._queued -= job.queued
+                    self._room.notify_all()
+                self._jobs.task_done()
+        self._jobs.task_done()
+
+    def _write(self, job: _Job) -> None:
+        f = self._files.get(job.path)
+        if f is None:
+            f = self._files[job.path] = open(job.path, "r+b")
+        if isinstance(job.pieces, _Span):
+            self._copy(job.pieces, f.fileno(), job.offset, job.nbytes)
+            self._written_to(job.path, f, job.nbytes)
+            return
+        f.seek(job.offset)
+        written = 0
+        for piece in [job.pieces] if isinstance(job.pieces, memoryview) else job.pieces:
+            if self._stop:
+                return
+            written += len(piece)
+            if written > job.nbytes:
+                break
+            f.write(piece)
+        if written != job.nbytes:
+            raise ConvertError(
+                f"tensor '{job.name}': got {written} bytes, plan needs {job.nbytes}; fix the plan or the data"
+            )
+        self._written_to(job.path, f, written)
+
+    def _written_to(self, path: Path, f, nbytes: int) -> None:
+        f.flush()  # readable by other handles once `wait` returns
+        self._unsynced[path] = self._unsynced.get(path, 0) + nbytes
+        if self._unsynced[path] >= self._sync:
+            os.fdatasync(f.fileno())
+            self._unsynced[path] = 0
+
+    def _copy(self, span: _Span, out: int, offset: int, nbytes: int) -> None:
+        """Copy in the kernel (copy_file_range: no pass through this process's memory), or, where
+        the file systems refuse it, through one reused buffer."""
+        with open(span.path, "rb", buffering=0) as source:
+            done = 0
+            try:
+                while done < nbytes and not self._stop:
+                    step = os.copy_file_range(source.fileno(), out, nbytes - done, span.offset + done, offset + done)
+                    if step == 0:
+                        break
+                    done += step
+            except OSError as error:
+                if error.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+            buffer = memoryview(bytearray(min(RAW_CHUNK, max(nbytes - done, 1))))
+            while done < nbytes and not self._stop:
+                step = os.preadv(source.fileno(), [buffer[: nbytes - done]], span.offset + done)
+                if step == 0:
+                    break
+                os.pwrite(out, buffer[:step], offset + done)
+                done += step
+        if done != nbytes and not self._stop:
+            raise ConvertError(
+                f"{span.path}: {nbytes - done} bytes missing at the end of a tensor (file shrank while open?); "
+                "re-download or re-export the checkpoint"
+            )
+
+
 class CheckpointWriter:
     """Write a (possibly sharded) safetensors checkpoint atomically.
 
@@ -143,6 +301,9 @@ class CheckpointWriter:
         self._slots = self._check_plan(plan)
         self._shards = self._assign_shards(max_shard_size)
         self._written: set[str] = set()
+        # Computed tensors and file-to-file copies on two threads: a tensor never waits in memory
+        # behind a long copy of the embeddings.
+        self._behind, self._copies = _WriteBehind(), _WriteBehind()
         self._done = False
         self._replaced: Path | None = None  # the previous output, moved away by commit()
         self._tmp: Path | None = None
@@ -262,27 +423,48 @@ class CheckpointWriter:
             )
         return slot
 
-    def _put(self, name: str, slot: _Slot, data: bytes | memoryview) -> None:
+    def _put(self, name: str, slot: _Slot, pieces, queued: int) -> None:
         path = self._tmp / self._shards[slot.shard].filename
-        with self._os_errors(), open(path, "r+b") as f:
-            f.seek(slot.offset)
-            f.write(data)
+        thread = self._behind if queued else self._copies
+        with self._os_errors():
+            thread.submit(_Job(name, path, slot.offset, pieces, slot.nbytes, queued))
         self._written.add(name)
 
+    def flush(self) -> None:
+        """Wait until every tensor handed over is on its way to disk (written, not yet fsynced);
+        raises what the writer thread met. After it, the sources of `write_chunks` may close."""
+        self._check_open()
+        with self._os_errors():
+            self._behind.wait()
+            self._copies.wait()
+
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write planned tensor ``name``; shape and dtype must match the plan exactly."""
+        """Write planned tensor ``name``; shape and dtype must match the plan exactly.
+
+        It is written by the writer thread: the tensor must not change after this call."""
         slot = self._slot_for(name)
         if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
             raise ConvertError(
                 f"tensor '{name}': got shape {list(tensor.shape)} {tensor.dtype}, plan says "
                 f"{list(slot.shape)} {slot.dtype}; fix the conversion or the plan"
             )
-        self._put(name, slot, _tensor_bytes(tensor))
+        self._put(name, slot, _tensor_bytes(tensor), slot.nbytes)
 
     def write_raw(self, name: str, data: bytes) -> None:
         """Write planned tensor ``name`` from its exact little-endian bytes."""
         slot = self._slot_for(name, len(data))
-        self._put(name, slot, data)
+        self._put(name, slot, memoryview(data), slot.nbytes)
+
+    def write_chunks(self, name: str, chunks) -> None:
+        """Write planned tensor ``name`` from its exact bytes in consecutive pieces, pulled from
+        the iterable `chunks` by the writer thread (a copy that never holds the whole tensor);
+        they must add up to the planned size. Keep their source open until `flush`."""
+        self._put(name, self._slot_for(name), chunks, 0)
+
+    def copy_span(self, name: str, path: Path, offset: int, nbytes: int) -> None:
+        """Write planned tensor ``name`` as a copy of `nbytes` bytes at `offset` of the file `path`
+        (its stored bytes in a source checkpoint): file to file by the writer thread."""
+        self._put(name, self._slot_for(name, nbytes), _Span(Path(path), offset), 0)
 
     def _extra_path(self, filename: str) -> Path:
         self._check_open()
@@ -342,7 +524,7 @@ class CheckpointWriter:
     def write_index(self) -> None:
         """Write the shard index now (commit writes it too), so the temporary directory
         opens as a checkpoint before the commit: verification reads it there."""
-        self._check_open()
+        self.flush()
         self._check_complete()
         with self._os_errors():
             self._write_index()
@@ -382,6 +564,9 @@ class CheckpointWriter:
         """
         self._check_open()
         try:
+            self.flush()
+            self._behind.close()
+            self._copies.close()
             self._check_complete()
             with self._os_errors():
                 self._write_index()
@@ -394,6 +579,8 @@ class CheckpointWriter:
 
     def abort(self) -> None:
         """Discard everything written and release the output; safe to call more than once."""
+        self._behind.close()
+        self._copies.close()
         if not self._done:
             self._done = True
             if self._tmp is not None:

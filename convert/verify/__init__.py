@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from convert.errors import ConvertError
+from convert.heap import release_freed_memory
 from convert.hf import source_fields
 from convert.io import open_checkpoint
 from convert.layouts import module_layout
@@ -67,16 +68,17 @@ def verify_paths(original, converted, **options) -> dict:
         return _verify_export(original, converted, opts)
     text, tokens, max_ppl_ratio = opts.text, opts.tokens, opts.max_ppl_ratio
     start = time.perf_counter()
-    run_device, run_dtype = opts.torch_device, opts.torch_dtype
+    run_device = opts.torch_device
     config = read_mla_config(converted)
     mla = config["mla"]
     with open_checkpoint(original) as stored, open_checkpoint(converted) as conv:
         orig = module_layout(stored, config)  # Mixtral: experts stacked, as the converted checkpoint holds them
         _check_same_source(orig, config, converted)
         copied = copied_tensors_check(orig, conv, mla)
+        ckpt_dtype = conv.dtype(next(k for k in conv.keys() if "self_attn" in k or "W_" in k or "_down" in k))
+        run_dtype = opts.run_dtype(ckpt_dtype)
         run = LayerRun(orig, conv, config, run_device, run_dtype)
         runnable = mla["source_architecture"] != "seed"
-        ckpt_dtype = conv.dtype(next(k for k in conv.keys() if "self_attn" in k or "W_" in k or "_down" in k))
         ids = _token_ids(text, orig, config, tokens, runnable)
         bar = lambda it: tqdm(it, desc="verifying", unit="layer", disable=None if opts.progress else True)
         t0 = time.perf_counter()
@@ -86,20 +88,21 @@ def verify_paths(original, converted, **options) -> dict:
             else check_seed_layers(run, tokens, bar)
         )
         timings = {"layers_s": time.perf_counter() - t0}
+        release_freed_memory()  # the per-layer check's freed modules, before the end-to-end part
         e2e, skipped = None, "the source architecture has no transformers causal LM" if not runnable else None
         if runnable:
             t0 = time.perf_counter()
-            e2e = _end_to_end(opts, orig, conv, converted, config, ids, ckpt_dtype)
+            e2e = _end_to_end(opts, orig, conv, converted, config, ids, ckpt_dtype, run_dtype)
             timings["end_to_end_s"] = time.perf_counter() - t0
         limits = thresholds(coarsest(run_dtype, ckpt_dtype), max_ppl_ratio)
         inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(text, ids)}
     timings["total_s"] = time.perf_counter() - start
-    return _report(opts, layers, e2e, skipped, limits, inputs, timings, [copied])
+    return _report(opts, run_dtype, layers, e2e, skipped, limits, inputs, timings, [copied])
 
 
-def _end_to_end(opts: VerifyOptions, orig, conv, converted, config: dict, ids, ckpt_dtype) -> dict:
+def _end_to_end(opts: VerifyOptions, orig, conv, converted, config: dict, ids, ckpt_dtype, dtype) -> dict:
     """The end-to-end figures, whole models or streamed (opts.e2e; auto: whole when both fit)."""
-    device, dtype = opts.torch_device, opts.torch_dtype
+    device = opts.torch_device
     fits, why = _fits(orig, device, dtype, ids.shape[-1], config.get("vocab_size"))
     mode = opts.e2e if opts.e2e != "auto" else ("whole" if fits else "streamed")
     if mode == "streamed":
@@ -125,11 +128,28 @@ def _check_same_source(orig, config: dict, converted) -> None:
             )
 
 
+def _same_bytes(orig, conv, name: str) -> bool:
+    """Whether tensor `name` is stored with the same bytes in both, compared piece by piece."""
+    if tuple(orig.shape(name)) != tuple(conv.shape(name)) or orig.dtype(name) != conv.dtype(name):
+        return False
+    ours, theirs = orig.raw_chunks(name), conv.raw_chunks(name)  # pieces may differ in size
+    a = b = memoryview(b"")
+    while True:
+        a = a if len(a) else memoryview(next(ours, b"") or b"")
+        b = b if len(b) else memoryview(next(theirs, b"") or b"")
+        if not len(a) or not len(b):
+            return not len(a) and not len(b)
+        n = min(len(a), len(b))
+        if a[:n] != b[:n]:
+            return False
+        a, b = a[n:], b[n:]
+
+
 def copied_tensors_check(orig, conv, mla: dict) -> dict:
     """Every tensor outside attention is copied byte for byte: compare each with the original's."""
     prefixes = tuple(mla["layer_prefix"].format(i=i) for i in range(mla["n_layers"]))
     names = [n for n in conv.keys() if n in orig and not (prefixes and n.startswith(prefixes))]
-    differ = [n for n in names if orig.raw_bytes(n) != conv.raw_bytes(n)]
+    differ = [n for n in names if not _same_bytes(orig, conv, n)]
     failure = f"{len(differ)} tensor(s) copied from the original differ from it, e.g. {differ[0]!r}" if differ else ""
     return check(
         "tensors copied from the original, byte for byte",
@@ -154,11 +174,12 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
     transformers as a user would. No per-layer part: its layers are not MLAAttention modules.
     Bounds are no finer than float32: DeepseekV3RMSNorm computes in float32."""
     start = time.perf_counter()
-    device, dtype = opts.torch_device, opts.torch_dtype
+    device = opts.torch_device
     with open_checkpoint(original) as orig, open_checkpoint(exported) as conv:
         config = orig.config or {}
         ids = _token_ids(opts.text, orig, config, opts.tokens, True)
         ckpt_dtype = conv.dtype(conv.keys()[0])
+        dtype = opts.run_dtype(ckpt_dtype)
         fits, why = _fits(orig, device, dtype)
         if not fits:
             raise ConvertError(
@@ -170,7 +191,7 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
         limits = thresholds(coarsest(dtype, ckpt_dtype, torch.float32), opts.max_ppl_ratio)
         inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(opts.text, ids)}
     timings = {"end_to_end_s": time.perf_counter() - start, "total_s": time.perf_counter() - start}
-    report = _report(opts, [], e2e, None, limits, inputs, timings)
+    report = _report(opts, dtype, [], e2e, None, limits, inputs, timings)
     if export.get("target") == "vllm":
         report["target"] = _vllm_section(export, e2e, ckpt_dtype)
     return report
@@ -206,8 +227,8 @@ def _vllm_section(export: dict, e2e: dict | None, ckpt_dtype: torch.dtype) -> di
     }
 
 
-def _report(opts: VerifyOptions, layers, e2e, skipped, limits, inputs, timings, extra_checks=()) -> dict:
-    """The report dict (schema in convert.verify.report)."""
+def _report(opts: VerifyOptions, run_dtype, layers, e2e, skipped, limits, inputs, timings, extra_checks=()) -> dict:
+    """The report dict (schema in convert.verify.report); run_dtype: the run's (`--dtype auto` resolved)."""
     decision = decide(layers, e2e, limits, extra_checks)
     device = opts.torch_device
     return {
@@ -233,7 +254,7 @@ def _report(opts: VerifyOptions, layers, e2e, skipped, limits, inputs, timings, 
             "type": device.type,
             "name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         },
-        "dtype": opts.dtype,
+        "dtype": str(run_dtype).removeprefix("torch."),
         "timings": timings,
     }
 

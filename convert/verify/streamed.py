@@ -13,6 +13,7 @@ in float64.
 import torch
 
 from convert.arch import ARCHS
+from convert.heap import release_freed_memory
 from convert.io import Checkpoint
 from convert.layouts import module_layout
 from convert.mla.attention import build_mla_attention
@@ -31,7 +32,7 @@ class _Stream:
         self.arch = ARCHS[self.mla["source_architecture"]]
         # What Gemma's model forward adds around its layers: embeddings × √D, logits soft-capped.
         self.embed_scale = config["hidden_size"] ** 0.5 if self.arch.gemma_scores else None
-        self.final_softcap = config.get("final_logit_softcapping") if self.arch.gemma_scores else None
+        self.final_softcap = self.layers.final_softcap
 
     def original_layer(self, layer: int) -> torch.nn.Module:
         build = lambda: self.layers.decoder_cls(self.layers.ref_config, layer)
@@ -65,14 +66,11 @@ class _Stream:
         return torch.tanh(logits / self.final_softcap) * self.final_softcap
 
     def head_name(self, checkpoint: Checkpoint) -> str:
-        return "lm_head.weight" if "lm_head.weight" in checkpoint else self.arch.embed
+        return self.layers.head_name(checkpoint)
 
     def norm(self, checkpoint: Checkpoint, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm (the family's own class, as its decoder layers use) applied to hidden."""
-        with torch.device("meta"):
-            cls = type(self.layers.decoder_cls(self.layers.mask_config, 0).post_attention_layernorm)
-        build = lambda: cls(self.config["hidden_size"], eps=self.config.get("rms_norm_eps", 1e-6))
-        return materialize(build, checkpoint, "model.norm.", self.device, self.dtype)(hidden)
+        return self.layers.final_norm(checkpoint)(hidden)
 
 
 def hidden_states(stream: _Stream, windows: list[torch.Tensor], progress=iter):
@@ -183,6 +181,7 @@ def compare_streamed(
     stream = _Stream(original, converted, config, device, dtype)
     windows = [ids[:, start : start + window] for start in range(0, ids.shape[-1], window)]  # (1, ≤window) each
     ref_h, got_h = hidden_states(stream, windows, progress)
+    release_freed_memory()  # the decoder layers' freed pages, before the vocabulary chunks
     total = {"sq_diff": 0.0, "sq_ref": 0.0, "max_abs": 0.0, "kl_sum": 0.0, "kl_max": 0.0, "agree": 0.0}
     nll_ref, nll_got = [], []
     with torch.no_grad():
