@@ -85,16 +85,13 @@ class TensorView:
             return self.read(name)[start:stop]
         return getattr(self.stored, "read_rows", self.stored.get_rows)(name, start, stop)
 
-    def raw_bytes(self, name: str) -> bytes:
-        """Stored bytes; a virtual tensor's as safetensors lays it out (C order, little-endian)."""
-        return b"".join(self.raw_chunks(name))
-
     def raw_span(self, name: str):
         """`Checkpoint.raw_span` of a stored tensor; None for a virtual one (it is assembled)."""
         return None if name in self.virtual else self.stored.raw_span(name)
 
     def raw_chunks(self, name: str, size: int | None = None):
-        """`raw_bytes` in pieces (`Checkpoint.raw_chunks`); a virtual tensor in one piece."""
+        """Stored bytes in pieces (`Checkpoint.raw_chunks`); a virtual tensor in one piece, as
+        safetensors lays it out (C order, little-endian)."""
         if name not in self.virtual:
             yield from self.stored.raw_chunks(name, *([size] if size else []))
         else:
