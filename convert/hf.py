@@ -119,22 +119,44 @@ def load_original(original: Checkpoint, config: dict, device, dtype):
 
     model = build_causal_lm(config, dtype, attention=reference_attention(config))
     original = module_layout(original, config)  # Mixtral: the stored experts stacked as the modules hold them
-    state = {name: original.get(name) for name in original.keys()}
-    load_strict(model, state, getattr(original, "path", "the original weights"))
+    fill_strict(model, original, getattr(original, "path", "the original weights"))
     return model.to(device).eval()
 
 
-def load_strict(model, state: dict, where) -> None:
-    """Load `state` into `model`: every tensor used, none missing but a tied lm_head."""
+def _check_names(model, missing, unexpected, where) -> set[str]:
+    """Refuse weights that do not fit `model` (a tied lm_head may be missing); returns the tied names."""
     from convert.errors import ConvertError
 
-    missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     if unexpected or set(missing) - tied:
         raise ConvertError(
             f"{where}: weights do not fit the model (missing {sorted(set(missing) - tied)[:3]}, "
             f"unexpected {sorted(unexpected)[:3]}); was it written by this version of convert?"
         )
+    return tied
+
+
+def load_strict(model, state: dict, where) -> None:
+    """Load `state` into `model`: every tensor used, none missing but a tied lm_head."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if _check_names(model, missing, unexpected, where):
+        model.tie_weights()
+
+
+def fill_strict(model, checkpoint, where) -> None:
+    """`load_strict` from a checkpoint, a tensor at a time, read straight into the model's own
+    tensors where the checkpoint can (`Checkpoint.read_into`): the peak is the model, not a second
+    copy of it (a state dict) nor its mapped pages, which would stay resident while it is open."""
+    targets = model.state_dict(keep_vars=True)
+    names = set(checkpoint.keys())
+    tied = _check_names(model, set(targets) - names, names - set(targets), where)
+    read_into = getattr(checkpoint, "read_into", None)
+    with torch.no_grad():
+        for name in sorted(names):
+            if read_into is not None:
+                read_into(name, targets[name])
+            else:  # an in-memory source (a state dict)
+                targets[name].copy_(checkpoint.get(name))
     if tied:
         model.tie_weights()
 

@@ -75,6 +75,14 @@ class TensorView:
             return self.virtual[name].assemble(self._reader("read"))
         return self._reader("read")(name)
 
+    def read_into(self, name: str, target: torch.Tensor) -> None:
+        """`Checkpoint.read_into` of a stored tensor; a virtual one is assembled, then copied."""
+        stored_read_into = getattr(self.stored, "read_into", None)
+        if name not in self.virtual and stored_read_into is not None:
+            return stored_read_into(name, target)
+        with torch.no_grad():
+            target.copy_(self.read(name))
+
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         if name in self.virtual:
             return self.get(name)[start:stop]

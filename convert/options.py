@@ -32,6 +32,11 @@ DTYPES = tuple(TORCH_DTYPES)
 RUN_DTYPES = ("auto", *DTYPES)  # verification: auto follows the checkpoint (`VerifyOptions.run_dtype`)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (the name options, configs and reports use)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def option(
     default,
     help: str,
@@ -94,9 +99,11 @@ class VerifyOptions(_FromKwargs):
     )
     e2e: str = option(
         "auto",
-        "End-to-end check: whole = both whole models in memory (greedy generation too); streamed = one decoder "
-        "layer of each at a time, logits in vocabulary chunks (same figures, no greedy generation); auto = whole "
-        "when both fit in memory, else streamed.",
+        "End-to-end check. streamed = one decoder layer of each model at a time, logits in vocabulary chunks "
+        "(memory: about two layers, whatever the model's size); auto = streamed, then greedy generation from "
+        "each whole model in turn (one in memory at a time, float32 unless --dtype says otherwise) when one "
+        "fits, else skipped with the reason; whole = both whole models in memory at once (the same figures "
+        "and greedy generation, in the run's dtype).",
         choices=E2E_MODES,
     )
     progress: bool = option(True, "No progress bar or summary.", flag="--quiet", short="-q", off_flag="--quiet")
@@ -117,6 +124,14 @@ class VerifyOptions(_FromKwargs):
         if self.dtype != "auto":
             return TORCH_DTYPES[self.dtype]
         return torch.float32 if torch.finfo(checkpoint_dtype).bits < 32 else torch.float64
+
+    def greedy_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        """Greedy generation's dtype under --e2e auto: the --dtype given, else float32 (float64 for a
+        float64 checkpoint): the tokens as users would generate them, and one whole model in that
+        precision is what has to fit (SmolLM2 in float64 would not fit the streaming memory bound)."""
+        if self.dtype != "auto":
+            return TORCH_DTYPES[self.dtype]
+        return torch.float64 if checkpoint_dtype == torch.float64 else torch.float32
 
     @property
     def torch_device(self) -> torch.device:

@@ -16,6 +16,7 @@ allocating nothing.
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -24,13 +25,22 @@ from convert import compress
 from convert.arch import AttentionSpec, resolve_attention
 from convert.errors import ConvertError
 from convert.layouts import attention_view
-from convert.linalg import numerical_rank
+from convert.linalg import numerical_rank, work_dtype
 from convert.options import ConvertOptions
 from convert.source import StateDictSource, attention_names, check_layer, norm_shape, read_layer
 
 # Whole-model verification holds both models plus activations: this many times
 # the checkpoint (in the run's dtype).
 WHOLE_MODEL_FACTOR = 2.5
+# One whole model for greedy generation (`one_model_memory_bytes`): its weights, read straight into
+# it, and the transients of building it and of a short generation (measured: 1.08x SmolLM2's
+# converted model, 1.18x a 2-layer Llama-3-8B shape's).
+ONE_MODEL_FACTOR = 1.2
+# The memory bound of a streamed run (`memory_bound_bytes`): this plus twice the largest layer.
+MEMORY_BOUND_BASE = 2**30
+# A process's own memory once torch, transformers and convert are imported (bench/memory.py's
+# baseline: 0.33 GiB on CPU), which the bound includes.
+PROCESS_BASE_BYTES = 350 * 2**20
 SMALL_LAYER_PARAMS = 16 * 2**20  # converted attention parameters below which layers convert side by side
 
 
@@ -113,6 +123,31 @@ def output_shapes(spec: AttentionSpec, ranks: dict[str, int], layout: str, biase
 def whole_model_memory_bytes(checkpoint_bytes: int, checkpoint_dtype: torch.dtype, run_dtype: torch.dtype) -> int:
     """Memory that whole-model verification needs: both models and activations, in `run_dtype`."""
     return int(WHOLE_MODEL_FACTOR * checkpoint_bytes * itemsize(run_dtype) / itemsize(checkpoint_dtype))
+
+
+def largest_layer_bytes(*checkpoints) -> int:
+    """The largest single layer as stored in any of `checkpoints`: one decoder layer's tensors
+    together, or one tensor outside the decoder layers (the embedding, the lm_head)."""
+    layers: dict[tuple, int] = {}
+    for i, checkpoint in enumerate(checkpoints):
+        for name in checkpoint.keys():
+            match = re.search(r"\.layers\.(\d+)\.", name)
+            key = (i, match.group(1) if match else name)
+            nbytes = math.prod(checkpoint.shape(name)) * itemsize(checkpoint.dtype(name))
+            layers[key] = layers.get(key, 0) + nbytes
+    return max(layers.values(), default=0)
+
+
+def memory_bound_bytes(largest_layer: int) -> int:
+    """The peak a streamed conversion with verification keeps to (the process included): 1 GiB
+    plus two of its largest layers. `--e2e auto` runs greedy generation only within it."""
+    return MEMORY_BOUND_BASE + 2 * largest_layer
+
+
+def one_model_memory_bytes(checkpoint_bytes: int, checkpoint_dtype: torch.dtype, dtype: torch.dtype) -> int:
+    """Memory of one whole model in `dtype` (greedy generation under --e2e auto: a few dozen tokens'
+    KV cache and activations besides, and the tensor being read in), `ONE_MODEL_FACTOR` x its weights."""
+    return int(ONE_MODEL_FACTOR * checkpoint_bytes * itemsize(dtype) / itemsize(checkpoint_dtype))
 
 
 def streamed_verify_memory_bytes(
@@ -258,21 +293,22 @@ class ConversionPlan:
 
     def conversion_memory_bytes(self) -> int:
         """Peak tensor memory of the streamed conversion (`api._convert_layers`): for each layer
-        in flight, its source attention in float64 and its outputs (the absorbed Ŵ^Q, Ŵ^O in the
-        checkpoint's dtype, the rest in float64, and the per-head up-projections they are made
-        from), one block of absorbed products, and the writer's queue (`QUEUE_BYTES`, or all the
-        converted tensors if fewer) plus the tensor it is writing. Tensors copied through are
-        copied file to file: no memory."""
+        in flight, its source attention as read and in the working precision (`work_dtype`:
+        float64, float32 for a half-precision checkpoint), its outputs (the absorbed Ŵ^Q, Ŵ^O in
+        the checkpoint's dtype, the rest in the working precision, and the per-head
+        up-projections they are made from), one block of absorbed products, and the writer's
+        queue (`QUEUE_BYTES`, or all the converted tensors if fewer) plus the tensor it is
+        writing. Tensors copied through are copied file to file: no memory."""
         from convert.io.writer import QUEUE_BYTES
         from convert.linalg.absorb import BLOCK_BYTES
 
-        size, f64 = itemsize(self.dtype), itemsize(torch.float64)
+        size, work = itemsize(self.dtype), itemsize(work_dtype(self.dtype))
         absorbed = ("q_absorbed.", "o_absorbed.")
 
         def layer_bytes(i: int, layer: LayerPlan) -> int:
-            out = sum(math.prod(s) * (size if n.startswith(absorbed) else f64) for n, s in layer.shapes.items())
-            ups = 2 * self.spec.n_heads * self.spec.head_dim * max(layer.ranks.values()) * f64
-            return self._layer_source_params(i) * f64 + out + ups
+            out = sum(math.prod(s) * (size if n.startswith(absorbed) else work) for n, s in layer.shapes.items())
+            ups = 2 * self.spec.n_heads * self.spec.head_dim * max(layer.ranks.values()) * work
+            return self._layer_source_params(i) * (size + work) + out + ups
 
         in_flight = self.layer_workers() * max(layer_bytes(i, layer) for i, layer in enumerate(self.layers))
         converted = sum(layer.params for layer in self.layers) * size

@@ -35,6 +35,7 @@ from convert.linalg import (
     partial_rope_factor,
     real_factor,
     rope_factor,
+    work_dtype,
 )
 from convert.linalg.weighted import decoupled_rope_factor, weighted_factor, weighted_rope_factor
 
@@ -75,11 +76,11 @@ class LayerInfo:
         return entry
 
 
-def with_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """(m, D) weight and (m,) bias -> (m, D+1): the affine map as a linear one on [y; 1]."""
+def with_bias(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """(m, D) weight and (m,) bias -> (m, D+1) in `dtype`: the affine map as a linear one on [y; 1]."""
     if bias is None:
-        return weight.double()
-    return torch.cat([weight.double(), bias.double()[:, None]], dim=1)
+        return weight.to(dtype)
+    return torch.cat([weight.to(dtype), bias.to(dtype)[:, None]], dim=1)
 
 
 def _split_bias(aug: torch.Tensor, has_bias: bool, name: str) -> dict[str, torch.Tensor]:
@@ -90,14 +91,19 @@ def _split_bias(aug: torch.Tensor, has_bias: bool, name: str) -> dict[str, torch
 
 
 def _relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    """‖approx − exact‖ / ‖exact‖ in approx's precision (the factorization's)."""
+    exact = exact.to(approx.dtype)
     norm = exact.norm()
     return float((approx - exact).norm() / norm) if norm > 0 else float((approx - exact).norm())
 
 
-def _key_factor(w: LayerWeights, spec: AttentionSpec, layout: str, rank: int | None, weighting) -> tuple[Factor, bool]:
-    """Factor the keys; returns the factor and whether its latent is affine (key bias kept)."""
+def _key_factor(
+    w: LayerWeights, spec: AttentionSpec, layout: str, rank: int | None, weighting, work: torch.dtype
+) -> tuple[Factor, bool]:
+    """Factor the keys; returns the factor and whether its latent is affine (key bias kept).
+    work: precision of the plain factorizations (`work_dtype`); the others run in float64."""
     affine = spec.rope and w.k_bias is not None
-    keys = with_bias(w.k, w.k_bias if affine else None)  # (G·d, D[+1])
+    keys = with_bias(w.k, w.k_bias if affine else None, work)  # (G·d, D[+1])
     if spec.qk_norm is not None:  # blocks per KV head; compressed: `normed_key_factor` after the norm
         return aligned_rope_factor(keys, spec.n_kv_heads), affine
     per_frequency = spec.rope and layout == "absorbed"
@@ -112,8 +118,8 @@ def _key_factor(w: LayerWeights, spec: AttentionSpec, layout: str, rank: int | N
             return weighted_rope_factor(keys, spec.n_kv_heads, rank, pairs, moment, cross), affine
         return weighted_factor(keys, rank, weighting.key_rows, weighting.key_moment, weighting.key_cross), affine
     if per_frequency:
-        return rope_factor(keys, spec.n_kv_heads, rank), affine
-    return real_factor(keys, rank), affine
+        return rope_factor(keys, spec.n_kv_heads, rank, work), affine
+    return real_factor(keys, rank, work), affine
 
 
 def normed_key_factor(spec: AttentionSpec, rank: int, weighting) -> Factor:
@@ -125,28 +131,36 @@ def normed_key_factor(spec: AttentionSpec, rank: int, weighting) -> Factor:
     return weighted_factor(eye, rank, weighting.key_rows, weighting.key_moment, weighting.key_cross)
 
 
-def _value_factor(w: LayerWeights, rank: int | None, weighting) -> Factor:
+def _value_factor(w: LayerWeights, rank: int | None, weighting, work: torch.dtype) -> Factor:
     if weighting is not None:
         return weighted_factor(w.v, rank, weighting.value_rows, weighting.value_moment, weighting.value_cross)
-    return real_factor(w.v, rank)
+    return real_factor(w.v, rank, work)
 
 
-def factor_layer(w: LayerWeights, spec: AttentionSpec, latent: str, layout: str, ranks: dict | None, weighting=None):
+def factor_layer(
+    w: LayerWeights,
+    spec: AttentionSpec,
+    latent: str,
+    layout: str,
+    ranks: dict | None,
+    weighting=None,
+    work: torch.dtype = torch.float64,
+):
     """Factor one layer's keys and values: (key factor, value factor, affine key latent, notes).
 
     ranks: {"rank_k", "rank_v"} or {"rank_kv"}; None = exact. weighting: a
     `convert.compress.Weighting` for compression below the exact rank, or None
-    (plain SVD, exact at full rank).
+    (plain SVD, exact at full rank). work: precision of the plain SVDs (`work_dtype`).
     """
     ranks = ranks or {}
     notes = []
     if w.k_bias is not None and not spec.rope:
         notes.append("k bias dropped: without RoPE q·b_K is constant over keys and cancels in softmax")
     if latent == "joint":
-        key_f, value_f = joint_factor(w.k, w.v, ranks.get("rank_kv"))
+        key_f, value_f = joint_factor(w.k, w.v, ranks.get("rank_kv"), work)
         return key_f, value_f, False, notes
-    key_f, affine = _key_factor(w, spec, layout, ranks.get("rank_k"), weighting)
-    return key_f, _value_factor(w, ranks.get("rank_v"), weighting), affine, notes
+    key_f, affine = _key_factor(w, spec, layout, ranks.get("rank_k"), weighting, work)
+    return key_f, _value_factor(w, ranks.get("rank_v"), weighting, work), affine, notes
 
 
 def convert_layer(
@@ -160,11 +174,14 @@ def convert_layer(
 ):
     """Convert one layer. Returns (tensors by relative name, LayerInfo).
 
-    dtype: of the absorbed Ŵ^Q and Ŵ^O (computed in float64 head by head, cast as stored:
-    the checkpoint's dtype keeps a large model's layer small); the other tensors are float64,
-    but the factored layout's W^Q and W^O, which are the source's own.
+    dtype: of the absorbed Ŵ^Q and Ŵ^O (computed head by head, cast as stored: the checkpoint's
+    dtype keeps a large model's layer small). The plain factorizations and the products run in
+    `work_dtype(dtype)`: float64, float32 when `dtype` is half precision. The other tensors come
+    in that precision (float64 from compression), but the factored layout's W^Q and W^O, which
+    are the source's own.
     """
-    key_f, value_f, affine, notes = factor_layer(w, spec, latent, layout, ranks, weighting)
+    work = work_dtype(dtype)
+    key_f, value_f, affine, notes = factor_layer(w, spec, latent, layout, ranks, weighting, work)
     out = _down_tensors(key_f, value_f, affine, latent)
     normed = None  # q/k norm, compressed: the factor of the normed keys
     if spec.qk_norm is not None and (ranks or {}).get("rank_k", key_f.rank) < key_f.rank:
@@ -184,7 +201,7 @@ def convert_layer(
             out |= {"v_up.weight": up_v, "o_proj.weight": w.o.double()}
         out |= {f"{o_name}.bias": out_bias} if out_bias is not None else {}
     elif layout == "absorbed":
-        q_hat = absorb_query(with_bias(w.q, w.q_bias), up_k, spec.n_heads, dtype)  # (H·r_K, D[+1])
+        q_hat = absorb_query(with_bias(w.q, w.q_bias, work), up_k, spec.n_heads, dtype)  # (H·r_K, D[+1])
         out |= _split_bias(q_hat, w.q_bias is not None, "q_absorbed")
         out["o_absorbed.weight"] = absorb_output(w.o, up_v, spec.n_heads, dtype)  # (D, H·r_V)
         out |= {"o_absorbed.bias": out_bias} if out_bias is not None else {}
@@ -192,7 +209,7 @@ def convert_layer(
         out |= {"q_proj.weight": w.q} | ({"q_proj.bias": w.q_bias} if w.q_bias is not None else {})
         out |= {"k_up.weight": up_k, "v_up.weight": up_v, "o_proj.weight": w.o}
         out |= {"o_proj.bias": out_bias} if out_bias is not None else {}
-    key_target = None if normed is None else torch.eye(normed.up.shape[0], dtype=torch.float64)
+    key_target = None if normed is None else torch.eye(normed.up.shape[0], dtype=normed.up.dtype)
     return out, _layer_info(w, spec, key_f, value_f, affine, latent, layout, notes, key_target)
 
 
@@ -219,14 +236,14 @@ def _layer_info(w, spec, key_f, value_f, affine, latent, layout, notes, key_targ
     if latent == "joint":
         ranks = {"rank_kv": key_f.rank}
         energy = {"kv": key_f.retained_energy()}
-        stacked = torch.cat([w.k, w.v]).double()
+        stacked = torch.cat([w.k, w.v])
         errors = {"kv": _relative_error(torch.cat([key_f.up, value_f.up]) @ key_f.down, stacked)}
     else:
         ranks = {"rank_k": key_f.rank, "rank_v": value_f.rank}
         energy = {"k": key_f.retained_energy(), "v": value_f.retained_energy()}
         errors = {
             "k": _relative_error(key_f.up @ key_f.down, keys),
-            "v": _relative_error(value_f.up @ value_f.down, w.v.double()),
+            "v": _relative_error(value_f.up @ value_f.down, w.v),
         }
     freq = key_f.freq_index.tolist() if key_f.freq_index is not None and layout == "absorbed" else None
     return LayerInfo(ranks=ranks, retained_energy=energy, factor_error=errors, key_freq_index=freq, notes=notes)

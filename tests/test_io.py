@@ -102,6 +102,26 @@ def test_lazy_get_rows_and_raw_bytes(tmp_path: Path) -> None:
         assert ckpt.raw_bytes("u") == _bytes_of(torch.ones(2))
 
 
+def test_read_into_fills_a_tensor_in_place_or_piece_by_piece(tmp_path: Path, monkeypatch) -> None:
+    """`read_into` reads straight into a tensor of the stored dtype, and converts `RAW_CHUNK`
+    bytes at a time into any other (whole models are filled this way, with no second copy)."""
+    import convert.io.reader as reader
+
+    t = torch.randn(10, 6, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    save_file({"t": t, "empty": torch.ones(0, 3)}, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(reader, "RAW_CHUNK", 16)  # 8 bfloat16 values a piece: 8 pieces, the last short
+    with open_checkpoint(tmp_path) as ckpt:
+        same = torch.full((10, 6), float("nan"), dtype=torch.bfloat16)
+        ckpt.read_into("t", same)
+        assert torch.equal(same, t)
+        wide = torch.nn.Parameter(torch.full((10, 6), float("nan"), dtype=torch.float64))
+        ckpt.read_into("t", wide)
+        assert torch.equal(wide.detach(), t.double())
+        ckpt.read_into("empty", torch.ones(0, 3))
+        with pytest.raises(ValueError, match=r"\(10, 6\) into a \(6, 10\)"):
+            ckpt.read_into("t", torch.zeros(6, 10))
+
+
 def test_hf_dir(tmp_path: Path) -> None:
     save_file({"a": torch.ones(3)}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     save_file({"b": torch.ones(3)}, str(tmp_path / "other.safetensors"))  # ignored: model.* wins

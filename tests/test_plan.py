@@ -144,7 +144,8 @@ def test_the_writer_layout_covers_every_tensor():
     assert "model.layers.31.self_attn.q_absorbed.weight" in out and "model.embed_tokens.weight" in out
     assert out["model.embed_tokens.weight"] == ((32000, 4096), torch.bfloat16)
     # Memory of the streamed conversion: one layer at a time (its layers are large): its source
-    # attention and its latent factors in float64, the absorbed products (the largest tensors)
+    # attention as read (bfloat16) and in float32 (a half-precision checkpoint's working
+    # precision), its latent factors in float32, the absorbed products (the largest tensors)
     # in bfloat16 with the per-head up-projections they are made from, one 64 MiB block of
     # products, the writer's 64 MiB queue and the tensor it writes. Not the model, and not the
     # embedding: tensors copied through go file to file.
@@ -152,6 +153,6 @@ def test_the_writer_layout_covers_every_tensor():
     rank = groups * d
     source = 2 * heads * d * hidden + 2 * groups * d * hidden
     factors, products, ups = 2 * rank * hidden, 2 * heads * rank * hidden, 2 * heads * d * rank
-    layer = 8 * (source + factors + ups) + BF16 * products
+    layer = BF16 * source + 4 * (source + factors + ups) + BF16 * products
     assert plan.layer_workers() == 1
     assert plan.conversion_memory_bytes() == layer + 2 * 64 * 2**20 + heads * rank * hidden * BF16

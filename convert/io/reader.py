@@ -500,19 +500,44 @@ class Checkpoint:
         data = self._pread(name, entry, entry.start + row * start, row * (stop - start))
         return self._from_bytes(entry, data, (stop - start, *entry.shape[1:]))
 
+    def read_into(self, name: str, target: torch.Tensor) -> None:
+        """Read one tensor into `target` (a contiguous tensor of its shape, any dtype and device)
+        with plain file reads: straight into its memory when it is a CPU tensor of the stored
+        dtype, else `RAW_CHUNK` bytes at a time, converted as copied. Either way no second copy of
+        the tensor is made (filling a whole model: the model is the peak, not model + embedding)."""
+        entry = self.entry(name)
+        if tuple(target.shape) != tuple(entry.shape) or not target.is_contiguous():
+            raise ValueError(f"{name}: cannot read {tuple(entry.shape)} into a {tuple(target.shape)} tensor")
+        flat = target.detach().view(-1)  # (numel,)
+        if flat.numel() == 0:
+            return
+        if target.dtype == entry.dtype and target.device.type == "cpu":
+            self._pread_into(name, entry, entry.start, memoryview(flat.view(torch.uint8).numpy()))
+            return
+        item = entry.nbytes // flat.numel()
+        step = max(1, RAW_CHUNK // item)
+        for start in range(0, flat.numel(), step):
+            n = min(step, flat.numel() - start)
+            data = self._pread(name, entry, entry.start + start * item, n * item)
+            flat[start : start + n].copy_(torch.frombuffer(data, dtype=entry.dtype))
+
     def _pread(self, name: str, entry: TensorEntry, offset: int, nbytes: int) -> bytearray:
         """`nbytes` at `offset` of the tensor's file, read straight into one new buffer."""
         buffer = bytearray(nbytes)
-        done, fd = 0, self._raw_file(entry.file).fileno()
+        self._pread_into(name, entry, offset, memoryview(buffer))
+        return buffer
+
+    def _pread_into(self, name: str, entry: TensorEntry, offset: int, buffer: memoryview) -> None:
+        """Fill `buffer` from `offset` of the tensor's file."""
+        done, fd, nbytes = 0, self._raw_file(entry.file).fileno(), len(buffer)
         while done < nbytes:
-            got = os.preadv(fd, [memoryview(buffer)[done:]], offset + done)
+            got = os.preadv(fd, [buffer[done:]], offset + done)
             if got == 0:
                 raise ConvertError(
                     f"{entry.file}: tensor '{name}' data ends early (file shrank while open?); "
                     "re-download or re-export the checkpoint"
                 )
             done += got
-        return buffer
 
     @staticmethod
     def _from_bytes(entry: TensorEntry, data: bytearray, shape: tuple[int, ...]) -> torch.Tensor:

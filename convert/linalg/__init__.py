@@ -7,7 +7,7 @@
 """
 
 from convert.linalg.absorb import absorb_output, absorb_query
-from convert.linalg.factor import Factor, joint_factor, numerical_rank, real_factor
+from convert.linalg.factor import Factor, joint_factor, numerical_rank, real_factor, work_dtype
 from convert.linalg.heads import expand_groups, group_of_head, tile_rows
 from convert.linalg.rope import aligned_rope_factor, latent_groups, latent_ungroup, partial_rope_factor, rope_factor
 
@@ -26,4 +26,5 @@ __all__ = [
     "partial_rope_factor",
     "rope_factor",
     "tile_rows",
+    "work_dtype",
 ]

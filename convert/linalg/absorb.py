@@ -7,6 +7,8 @@ Per head h, with up-projection block `W^{U}_h` (d × r):
 
 import torch
 
+from convert.linalg.factor import work_dtype
+
 BLOCK_BYTES = 64 * 2**20  # float64 bytes of one block of heads' products
 
 
@@ -16,25 +18,16 @@ def _head_blocks(n_heads: int, block_numel: int):
     return (slice(h, min(h + step, n_heads)) for h in range(0, n_heads, step))
 
 
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Precision of the products: float64, or float32 for a half-precision result, whose own
-    rounding (float16: 2^-11 relative, bfloat16: 2^-8) is ~10^3 times float32's accumulated
-    error over d = 128 terms (~7e-7): float64 would take twice as long (a Llama-3-8B layer's
-    products: 34 GFLOP) for the same stored values, bar an ulp where a value sits on a
-    rounding boundary."""
-    return torch.float64 if torch.finfo(dtype).bits >= 32 else torch.float32
-
-
 def absorb_query(
     w_q: torch.Tensor, up_k: torch.Tensor, n_heads: int, dtype: torch.dtype = torch.float64
 ) -> torch.Tensor:
     """(H·d, X) query weights and (H·d, r) key up-projection -> (H·r, X) in `dtype`.
 
     X may include a bias column; the result's columns follow it. The products are computed
-    in float64 (`_work_dtype`) a block of heads at a time and cast as they are stored, so only the
+    in `work_dtype(dtype)` (float64; float32 for a half-precision result) a block of heads at a time and cast as they are stored, so only the
     result (in `dtype`) and one block are in memory: a Llama-3-8B layer's Ŵ^Q is 1 GiB in float64.
     """
-    work = _work_dtype(dtype)
+    work = work_dtype(dtype)
     q = w_q.reshape(n_heads, -1, w_q.shape[-1])  # (H, d, X)
     u = up_k.reshape(n_heads, -1, up_k.shape[-1])  # (H, d, r)
     out = torch.empty(n_heads, u.shape[-1], q.shape[-1], dtype=dtype)  # (H, r, X)
@@ -47,8 +40,8 @@ def absorb_output(
     w_o: torch.Tensor, up_v: torch.Tensor, n_heads: int, dtype: torch.dtype = torch.float64
 ) -> torch.Tensor:
     """(D, H·d) output weights and (H·d, r) value up-projection -> (D, H·r) in `dtype`, a block
-    of heads at a time in float64 (as `absorb_query`)."""
-    work = _work_dtype(dtype)
+    of heads at a time in `work_dtype(dtype)` (as `absorb_query`)."""
+    work = work_dtype(dtype)
     o = w_o.reshape(w_o.shape[0], n_heads, -1)  # (D, H, d)
     u = up_v.reshape(n_heads, -1, up_v.shape[-1])  # (H, d, r)
     out = torch.empty(w_o.shape[0], n_heads, u.shape[-1], dtype=dtype)  # (D, H, r)

@@ -19,9 +19,9 @@ import torch
 from convert.linalg.factor import Factor, real_factor
 
 
-def complex_pairs(weight: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
-    """(G·d, X) real key weights -> (d/2, G, X) complex `A_j` per frequency j."""
-    w = weight.double().reshape(n_kv_heads, -1, weight.shape[-1])  # (G, d, X)
+def complex_pairs(weight: torch.Tensor, n_kv_heads: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """(G·d, X) real key weights -> (d/2, G, X) complex `A_j` per frequency j, of real part `dtype`."""
+    w = weight.to(dtype).reshape(n_kv_heads, -1, weight.shape[-1])  # (G, d, X)
     half = w.shape[1] // 2
     a = torch.complex(w[:, :half], w[:, half:])  # (G, d/2, X)
     return a.permute(1, 0, 2)  # (d/2, G, X)
@@ -41,16 +41,18 @@ def _kept_pairs(s: torch.Tensor, n_pairs: int | None) -> tuple[torch.Tensor, tor
     return flat // k, flat % k
 
 
-def rope_factor(weight: torch.Tensor, n_kv_heads: int, rank: int | None = None) -> Factor:
+def rope_factor(
+    weight: torch.Tensor, n_kv_heads: int, rank: int | None = None, dtype: torch.dtype = torch.float64
+) -> Factor:
     """Factor RoPE key weights (G·d, X) so the latent rotates exactly like the keys.
 
     rank: real latent dims r_K (even); None keeps every complex component,
     r_K = 2·(d/2)·min(G, X), exact. Returns up (G·d, r_K), down (r_K, X) and
-    freq_index (r_K/2,).
+    freq_index (r_K/2,), computed in `dtype` (`work_dtype`).
     """
     if rank is not None and rank % 2:
         raise ValueError(f"a RoPE key latent has an even number of dims (pairs); got rank {rank}")
-    a = complex_pairs(weight, n_kv_heads)  # (d/2, G, X)
+    a = complex_pairs(weight, n_kv_heads, dtype)  # (d/2, G, X)
     u, s, vh = torch.linalg.svd(a, full_matrices=False)  # (d/2,G,k) (d/2,k) (d/2,k,X)
     j, t = _kept_pairs(s, None if rank is None else rank // 2)
     c = s[j, t, None] * vh[j, t]  # (P, X) complex latent rows
@@ -69,7 +71,7 @@ def _rotation_blocks(u_sel: torch.Tensor, freq: torch.Tensor, head_dim: int) -> 
     n_pairs, n_groups = u_sel.shape
     half = head_dim // 2
     p = torch.arange(n_pairs)
-    up = torch.zeros(n_groups, head_dim, 2 * n_pairs, dtype=torch.float64)  # (G, d, 2P)
+    up = torch.zeros(n_groups, head_dim, 2 * n_pairs, dtype=u_sel.real.dtype)  # (G, d, 2P)
     coeff = u_sel.T  # (G, P)
     up[:, freq, p] = coeff.real
     up[:, freq, n_pairs + p] = -coeff.imag

@@ -9,11 +9,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from convert.arch import ARCHS
 from convert.errors import ConvertError
-from convert.hf import build_causal_lm, layer_rotary, load_strict
+from convert.hf import build_causal_lm, fill_strict, layer_rotary, load_strict
+from convert.io import open_checkpoint
 from convert.mla.attention import build_mla_attention
 from convert.mla.schema import check_converted
 from convert.options import TORCH_DTYPES
@@ -62,6 +62,13 @@ def weight_files(path: Path) -> list[Path]:
 
 def build_mla_model(config: dict, state: dict, dtype: torch.dtype = torch.float32):
     """An MLA causal LM from a converted config (with `mla`) and state dict, in memory."""
+    model = _empty_mla_model(config, dtype)
+    load_strict(model, state, "converted weights")
+    return model.eval()
+
+
+def _empty_mla_model(config: dict, dtype: torch.dtype):
+    """The source architecture's causal LM with MLA attention, weights not loaded."""
     mla = config["mla"]
     arch = ARCHS.get(mla["source_architecture"])
     if arch is None or arch.hf_attention is None:
@@ -71,8 +78,7 @@ def build_mla_model(config: dict, state: dict, dtype: torch.dtype = torch.float3
         )
     model = build_causal_lm(config, dtype)
     swap_attention(model, mla)
-    load_strict(model, state, "converted weights")
-    return model.eval()
+    return model
 
 
 def load_mla_model(path, device=None, dtype=None):
@@ -85,15 +91,13 @@ def load_mla_model(path, device=None, dtype=None):
     """
     path = Path(path)
     config = read_mla_config(path)
-    state = {}
-    for file in weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            state |= {name: f.get_tensor(name) for name in f.keys()}
     try:
-        model = build_mla_model(config, state, _resolve_dtype(dtype, config))
+        model = _empty_mla_model(config, _resolve_dtype(dtype, config))
     except ConvertError as err:
         raise ConvertError(f"{path}: {err}") from None
-    return model.to(device or "cpu")
+    with open_checkpoint(path) as checkpoint:  # a tensor at a time: the model is the peak
+        fill_strict(model, checkpoint, f"{path}: converted weights")
+    return model.eval().to(device or "cpu")
 
 
 def cache_bytes_per_token(model, n_tokens: int = 8, as_dtype: torch.dtype | None = None) -> float:

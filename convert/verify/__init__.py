@@ -20,10 +20,18 @@ from convert.hf import source_fields
 from convert.io import open_checkpoint
 from convert.layouts import module_layout
 from convert.mla.model import load_mla_model, read_mla_config
-from convert.options import VerifyOptions
-from convert.plan import available_memory_bytes, whole_model_activation_bytes, whole_model_memory_bytes
+from convert.options import VerifyOptions, dtype_name
+from convert.plan import (
+    PROCESS_BASE_BYTES,
+    available_memory_bytes,
+    largest_layer_bytes,
+    memory_bound_bytes,
+    one_model_memory_bytes,
+    whole_model_activation_bytes,
+    whole_model_memory_bytes,
+)
 from convert.text import model_tokenizer, text_token_ids
-from convert.verify.e2e import end_to_end, streamed_end_to_end
+from convert.verify.e2e import end_to_end, greedy_in_turn, streamed_end_to_end
 from convert.verify.layers import LayerRun, check_hf_layers, check_seed_layers
 from convert.verify.report import check, coarsest, decide, render_markdown, thresholds, write_report
 
@@ -101,15 +109,20 @@ def verify_paths(original, converted, **options) -> dict:
 
 
 def _end_to_end(opts: VerifyOptions, orig, conv, converted, config: dict, ids, ckpt_dtype, dtype) -> dict:
-    """The end-to-end figures, whole models or streamed (opts.e2e; auto: whole when both fit)."""
-    device = opts.torch_device
-    fits, why = _fits(orig, device, dtype, ids.shape[-1], config.get("vocab_size"))
-    mode = opts.e2e if opts.e2e != "auto" else ("whole" if fits else "streamed")
-    if mode == "streamed":
-        reason = "streaming was asked for (--e2e streamed)" if opts.e2e == "streamed" else f"they do not fit ({why})"
-        return streamed_end_to_end(orig, conv, config, ids, device, dtype, ckpt_dtype, reason)
-    load = lambda device, dtype: load_mla_model(converted, device=device, dtype=dtype)
-    return end_to_end(orig, load, config, ids, device, dtype, ckpt_dtype, model_tokenizer(orig.root))
+    """The end-to-end figures: both whole models at once (--e2e whole), or streamed a decoder layer
+    at a time, with (auto) greedy generation from each whole model in turn when one fits."""
+    device, tokenizer = opts.torch_device, model_tokenizer(orig.root)
+    if opts.e2e == "whole":
+        load = lambda device, dtype: load_mla_model(converted, device=device, dtype=dtype)
+        return end_to_end(orig, load, config, ids, device, dtype, ckpt_dtype, tokenizer)
+    greedy, why = None, "greedy generation needs a whole model with a KV cache, and --e2e streamed keeps to one layer"
+    if opts.e2e == "auto":
+        greedy_dtype = opts.greedy_dtype(ckpt_dtype)
+        fits, need = _one_model_fits(orig, conv, device, greedy_dtype)
+        if fits:
+            greedy = greedy_in_turn(orig, converted, config, ids, device, greedy_dtype)
+        why = f"greedy generation needs one whole model with a KV cache in {dtype_name(greedy_dtype)}, and {need}"
+    return streamed_end_to_end(orig, conv, config, ids, device, dtype, ckpt_dtype, greedy, why, tokenizer)
 
 
 def _check_same_source(orig, config: dict, converted) -> None:
@@ -254,9 +267,24 @@ def _report(opts: VerifyOptions, run_dtype, layers, e2e, skipped, limits, inputs
             "type": device.type,
             "name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         },
-        "dtype": str(run_dtype).removeprefix("torch."),
+        "dtype": dtype_name(run_dtype),
         "timings": timings,
     }
+
+
+def _one_model_fits(orig, conv, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether the larger of the two whole models, in `dtype`, fits both in the memory available
+    and within the streamed run's memory bound (`memory_bound_bytes`) less a process's own
+    (`PROCESS_BASE_BYTES`): a default run keeps to that bound on any machine (in a container too,
+    whose limit the kernel's MemAvailable does not show), whatever process calls it."""
+    needed = max(one_model_memory_bytes(ckpt.total_bytes(), ckpt.dtype(ckpt.keys()[0]), dtype) for ckpt in (orig, conv))
+    bound = memory_bound_bytes(largest_layer_bytes(orig, conv))
+    room = min(bound - PROCESS_BASE_BYTES, available_memory_bytes(device))
+    gib = lambda n: f"{n / 2**30:.2f} GiB"
+    return needed <= room, (
+        f"it needs ~{gib(needed)}, more than the {gib(max(room, 0))} left within the memory bound "
+        f"({gib(bound)}: 1 GiB + 2 x the largest layer) and the memory available; --e2e whole runs it regardless"
+    )
 
 
 def _fits(orig, device: torch.device, dtype: torch.dtype, tokens=None, vocab=None) -> tuple[bool, str]:

@@ -3,9 +3,11 @@ of the original transformers model against the loaded MLA model."""
 
 import torch
 
+from convert.heap import release_freed_memory
 from convert.hf import load_original
 from convert.io import Checkpoint
-from convert.mla.model import cache_bytes_per_token
+from convert.mla.model import cache_bytes_per_token, load_mla_model
+from convert.options import dtype_name
 
 GREEDY_PROMPT, GREEDY_NEW = 8, 32
 
@@ -83,17 +85,11 @@ def end_to_end(
     mla_model = load_converted(device, dtype)
     ids = ids.to(device)
     result = compare_models(ref_model, mla_model, ids)
-    greedy_ref, greedy_got = _greedy(ref_model, ids), _greedy(mla_model, ids)
+    result |= greedy_fields(_greedy(ref_model, ids), _greedy(mla_model, ids), ids, tokenizer, dtype)
     result |= {
-        "greedy_original": greedy_ref,
-        "greedy_converted": greedy_got,
-        "greedy_match": greedy_ref == greedy_got,
-        "greedy_prompt_text": None if tokenizer is None else tokenizer.decode(ids[0, :GREEDY_PROMPT].tolist()),
-        "greedy_text_original": None if tokenizer is None else tokenizer.decode(greedy_ref),
-        "greedy_text_converted": None if tokenizer is None else tokenizer.decode(greedy_got),
         "kv_cache_bytes_per_token_original": cache_bytes_per_token(ref_model, as_dtype=ckpt_dtype),
         "kv_cache_bytes_per_token_converted": cache_bytes_per_token(mla_model, as_dtype=ckpt_dtype),
-        "kv_cache_dtype": str(ckpt_dtype).removeprefix("torch."),
+        "kv_cache_dtype": dtype_name(ckpt_dtype),
         "params_original": sum(p.numel() for p in ref_model.parameters()),
         "params_converted": sum(p.numel() for p in mla_model.parameters()),
         "mode": "whole",
@@ -102,28 +98,64 @@ def end_to_end(
     return result
 
 
+def greedy_fields(greedy_ref, greedy_got, ids: torch.Tensor, tokenizer, dtype: torch.dtype | None) -> dict:
+    """The report's greedy entries from the two token lists (all None when greedy generation did
+    not run) and the dtype it ran in."""
+    ran = greedy_ref is not None
+    decode = (lambda tokens: tokenizer.decode(tokens)) if ran and tokenizer is not None else (lambda tokens: None)
+    return {
+        "greedy_dtype": dtype_name(dtype) if ran else None,
+        "greedy_original": greedy_ref,
+        "greedy_converted": greedy_got,
+        "greedy_match": greedy_ref == greedy_got if ran else None,
+        "greedy_prompt_text": decode(ids[0, :GREEDY_PROMPT].tolist()),
+        "greedy_text_original": decode(greedy_ref),
+        "greedy_text_converted": decode(greedy_got),
+    }
+
+
+def greedy_in_turn(original: Checkpoint, converted, config: dict, ids: torch.Tensor, device, dtype) -> tuple:
+    """Greedy continuations of the original and the converted model (directory `converted`), each
+    whole model built in `dtype`, filled a tensor at a time, run and freed before the next is
+    built: one model in memory at a time, not two. Returns (original's tokens, converted's, dtype)."""
+    ids = ids.to(device)
+    greedy_ref = _greedy(load_original(original, config, device, dtype), ids)
+    release_freed_memory()
+    greedy_got = _greedy(load_mla_model(converted, device=device, dtype=dtype), ids)
+    release_freed_memory()
+    return greedy_ref, greedy_got, dtype
+
+
 def streamed_end_to_end(
-    original: Checkpoint, converted: Checkpoint, config: dict, ids: torch.Tensor, device, dtype, ckpt_dtype, why
+    original: Checkpoint,
+    converted: Checkpoint,
+    config: dict,
+    ids: torch.Tensor,
+    device,
+    dtype,
+    ckpt_dtype,
+    greedy: tuple | None = None,
+    why: str | None = None,
+    tokenizer=None,
 ) -> dict:
     """`end_to_end`'s report with the models streamed one decoder layer at a time
-    (`convert.verify.streamed`); greedy generation, which needs whole models with a KV
-    cache, is not run: `greedy_skipped` says why."""
+    (`convert.verify.streamed`). Greedy generation needs a whole model with a KV cache:
+    `greedy` holds the tokens of `greedy_in_turn` when it ran, else `greedy_skipped` says `why`."""
     from convert.verify import streamed
 
+    greedy_ref, greedy_got, greedy_dtype = greedy or (None, None, None)
     result = streamed.compare_streamed(original, converted, config, ids.to(device), device, dtype)
     cache_original, cache_converted = streamed.cache_bytes_per_token(config, ckpt_dtype)
-    return result | {
-        "greedy_original": None,
-        "greedy_converted": None,
-        "greedy_match": None,
-        "greedy_prompt_text": None,
-        "greedy_text_original": None,
-        "greedy_text_converted": None,
-        "kv_cache_bytes_per_token_original": cache_original,
-        "kv_cache_bytes_per_token_converted": cache_converted,
-        "kv_cache_dtype": str(ckpt_dtype).removeprefix("torch."),
-        "params_original": streamed.params(original),
-        "params_converted": streamed.params(converted),
-        "mode": "streamed",
-        "greedy_skipped": f"greedy generation needs both whole models with a KV cache, and {why}",
-    }
+    return (
+        result
+        | greedy_fields(greedy_ref, greedy_got, ids, tokenizer, greedy_dtype)
+        | {
+            "kv_cache_bytes_per_token_original": cache_original,
+            "kv_cache_bytes_per_token_converted": cache_converted,
+            "kv_cache_dtype": dtype_name(ckpt_dtype),
+            "params_original": streamed.params(original),
+            "params_converted": streamed.params(converted),
+            "mode": "streamed",
+            "greedy_skipped": None if greedy else why,
+        }
+    )

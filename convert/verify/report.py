@@ -12,6 +12,7 @@ Schema `convert.verification/1` (verification.json):
                       greedy_match, greedy_prompt_text, greedy_text_{original,converted} (null without a tokenizer),
                       kv_cache_bytes_per_token_{original,converted} (in kv_cache_dtype, the checkpoint's),
                       params_{original,converted}, mode (whole | streamed),
+                      greedy_dtype (the greedy run's: whole, the run's dtype; auto, float32 unless --dtype),
                       greedy_skipped (null, or why: greedy_* are then null)}
                      or null, with end_to_end_skipped: reason
   inputs             {original: {path, files: {name: sha256}}, converted: {…}, text: {path, sha256, tokens} | null}
@@ -233,7 +234,8 @@ def _e2e_lines(report: dict) -> list[str]:
 def _greedy_cell(e2e: dict) -> str:
     if e2e.get("greedy_skipped"):
         return f"not run: {e2e['greedy_skipped']}"
-    return "yes" if e2e["greedy_match"] else "no"
+    dtype = f" ({e2e['greedy_dtype']})" if e2e.get("greedy_dtype") else ""
+    return ("yes" if e2e["greedy_match"] else "no") + dtype
 
 
 def _greedy_lines(e2e: dict) -> list[str]:
