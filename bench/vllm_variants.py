@@ -1,4 +1,6 @@
-"""Variants of the vllm target's NoPE terms on SmolLM2, transformers DeepseekV3 only (no vLLM).
+"""Variants of the vllm target's position-free (NoPE) terms on SmolLM2, transformers DeepseekV3
+only (no vLLM): fit (the default: the attention-weighted least-squares stand-in for the dropped
+rotations, convert.targets.nope_fit), nope (unrotated), drop, expected (E[cos] over a span).
 
 Calibrates on Pride and Prejudice (4096 tokens), measures perplexity ratio against the
 original on a DEV text (Persuasion, 2048 tokens; not the held-out Emma of
@@ -18,7 +20,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCa
 
 from convert.compress.calibrate import calibrate
 from convert.io import open_checkpoint
-from convert.targets.vllm import match_vllm_norms, to_vllm_deepseek
+from convert.targets.vllm import match_vllm_norms, resolve_vllm_spec, rotation_fit_observer, to_vllm_deepseek
 from convert.text import text_token_ids
 
 torch.set_num_threads(2)
@@ -27,8 +29,10 @@ config = json.loads((src / "config.json").read_text())
 dev = text_token_ids(_common.austen_file("persuasion"), src, config["vocab_size"], 2048)
 cal = text_token_ids(_common.austen_file("prideprejudice"), src, config["vocab_size"], 4096)
 with open_checkpoint(src) as ck:
-    stats = calibrate(ck, config, cal, config["num_hidden_layers"])
     sd = {n: ck.get(n) for n in ck.keys()}
+    _, view, spec = resolve_vllm_spec(sd, config)
+    observe = rotation_fit_observer(view, spec, config)
+    stats = calibrate(ck, config, cal, config["num_hidden_layers"], observe=observe)
 orig = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
 
 
@@ -40,14 +44,14 @@ def ppl(m):
 
 p0 = ppl(orig)
 results = []
-variants = [("nope", 0), ("drop", 0), ("expected", 256), ("expected", 1024), ("expected", 64)]
+variants = [("fit", 0), ("nope", 0), ("drop", 0), ("expected", 64), ("expected", 256), ("expected", 1024)]
 for mode, span in variants:
-    t, c = to_vllm_deepseek(sd, config, stats, secondary=mode, span=max(span, 1))
+    t, c = to_vllm_deepseek(sd, config, stats, stand_in=mode, span=max(span, 1))
     c.pop("convert_export")
     m = DeepseekV3ForCausalLM(DeepseekV3Config.from_dict(c)).eval()
     m.load_state_dict(t, strict=False)
     match_vllm_norms(m)
-    results.append({"secondary": mode, "span": span, "ppl_ratio_dev": ppl(m) / p0})
+    results.append({"stand_in": mode, "span": span, "ppl_ratio_dev": ppl(m) / p0})
     print(results[-1], flush=True)
 _common.write_json(
     _common.RESULTS / "vllm_variants_smollm2.json",

@@ -435,7 +435,7 @@ def _export_transformers(src: Path, source: Checkpoint, output: Path, opts: Conv
 def _export_vllm(src: Path, source: Checkpoint, output: Path, opts: ConvertOptions, start: float):
     """`--target vllm`: a DeepseekV3ForCausalLM in vLLM's MLA shape (convert.targets.vllm); calibrated
     on --calib when there is more than one key/value head. Every refusal comes before calibration."""
-    from convert.targets.vllm import check_vllm_exportable, resolve_vllm_spec, to_vllm_deepseek
+    from convert.targets.vllm import check_vllm_exportable, resolve_vllm_spec, rotation_fit_observer, to_vllm_deepseek
 
     source_spec = resolve_spec(source, source.config, opts)  # the same checks and refusals as the mla target
     state_dict = {name: source.get(name) for name in source.keys()}
@@ -449,7 +449,8 @@ def _export_vllm(src: Path, source: Checkpoint, output: Path, opts: ConvertOptio
             ids = text_token_ids(Path(opts.calib), source.root, config["vocab_size"], opts.calib_tokens, what="--calib")
         ids = ids[:, : opts.calib_tokens]
         bar = _bar("calibrating", "layer", opts.progress)
-        stats = compress.calibrate(source, config, ids, spec.n_layers, progress=bar)
+        observe = rotation_fit_observer(src_view, spec, config) if spec.n_kv_heads > 1 else None
+        stats = compress.calibrate(source, config, ids, spec.n_layers, progress=bar, observe=observe)
     tensors, config = to_vllm_deepseek(state_dict, config, stats)
     info = config["convert_export"]
     notes = [vllm_note(info)]
@@ -469,11 +470,16 @@ def vllm_note(info: dict) -> str:
         return text + "Exact: one key/value head fits vLLM's 64 shared rotary dims."
     kept = [e for e in info["rotary_key_energy_kept"] if e is not None]
     share = f" (they carry {100 * sum(kept) / len(kept):.1f}% of the query-weighted key energy)" if kept else ""
+    stand_in = {
+        "fit": " and replaced by a fixed 2x2 map per head and frequency fitted on the calibration text "
+        "(attention-weighted least squares)",
+        "nope": " (the terms kept unrotated)",
+    }.get(info.get("position_free_terms"), f" (stand-in: {info.get('position_free_terms')})")
     return text + (
         f"LOSSY: vLLM rotates only 64 key dims shared by all heads, one frequency set; of the {G} key heads' "
         f"rotary pairs per frequency the principal mixture stays rotary{share}, the other {G - 1} become "
-        "position-free (NoPE) dims in the latent, their rotation dropped. Compare with transformers' "
-        "DeepseekV3 after convert.targets.vllm.match_vllm_norms(model)."
+        f"position-free (NoPE) dims in the latent, their rotation dropped{stand_in}. Compare with "
+        "transformers' DeepseekV3 after convert.targets.vllm.match_vllm_norms(model)."
     )
 
 

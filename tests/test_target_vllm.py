@@ -38,7 +38,12 @@ def identity_stats() -> list[LayerStats]:
 
 
 def exported_model(model, stats=None, **kwargs):
-    tensors, config = to_vllm_deepseek(model.state_dict(), model.config, stats, **kwargs)
+    return exported_model_from(model.state_dict(), model.config, stats, **kwargs)
+
+
+def exported_model_from(state: dict, config, stats=None, **kwargs):
+    """(transformers' DeepseekV3 on the export, its tensors, its config, its `convert_export`)."""
+    tensors, config = to_vllm_deepseek(state, config, stats, **kwargs)
     export = config.pop("convert_export")
     deepseek = DeepseekV3ForCausalLM(DeepseekV3Config.from_dict(config)).eval()
     deepseek.load_state_dict(tensors, strict=True)
@@ -139,3 +144,144 @@ def test_api_writes_a_report_that_says_where_it_is_lossy(tmp_path):
     with pytest.raises(ConvertError, match="calib"):
         convert.gqa2mla(tmp_path / "src", tmp_path / "out2", target="vllm")
     assert not (tmp_path / "out2").exists()
+
+
+# ------------------------------------------------------------------ the fitted stand-in for dropped rotations
+
+
+def _brute_force_sums(q, r, probs, inv_freq) -> torch.Tensor:
+    """`fit_sums` over every (window, m, n, head, frequency), as its docstring defines them."""
+    B, L, H, d = q.shape
+    half = d // 2
+    out = torch.zeros(H, half, 5, dtype=torch.float64)
+    q, r, probs = q.double(), r.double(), probs.double()
+    for w in range(B):
+        for m in range(L):
+            for n in range(L):
+                phi = inv_freq.double() * (m - n)  # (d/2,)
+                a, b = q[w, m, :, :half], q[w, m, :, half:]  # (H, d/2)
+                x, y = r[w, n, :, :half], r[w, n, :, half:]
+                f1, f2 = a * x + b * y, a * y - b * x
+                # q·R(-φ)r with rotate_half's R(φ) = [[cos, -sin], [sin, cos]] on (first, second)
+                t = a * (phi.cos() * x + phi.sin() * y) + b * (-phi.sin() * x + phi.cos() * y)
+                p = probs[w, :, m, n][:, None]  # (H, 1)
+                out += torch.stack([p * f1 * f1, p * f1 * f2, p * f2 * f2, p * t * f1, p * t * f2], dim=-1)
+    return out
+
+
+def test_fit_sums_equal_the_sums_over_every_query_key_pair():
+    from convert.targets.nope_fit import fit_sums
+
+    g = torch.Generator().manual_seed(0)
+    B, L, H, d = 2, 6, 3, 8
+    q, r = torch.randn(B, L, H, d, generator=g), torch.randn(B, L, H, d, generator=g)
+    probs = torch.softmax(torch.randn(B, H, L, L, generator=g), -1).tril()  # any weights: causal here
+    inv_freq = 10.0 ** -torch.linspace(0, 2, d // 2)
+    got = fit_sums(q.double(), r.double(), probs.double(), inv_freq)
+    want = _brute_force_sums(q, r, probs, inv_freq)
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_fit_recovers_a_stand_in_that_is_exact():
+    """Where the rotation does not turn (θ = 0) the unrotated terms are exact: the fit gives (1, 0);
+    a frequency with no remainder gets (1, 0) too, not a division by zero."""
+    from convert.targets.nope_fit import fit_rotation_stand_in, fit_sums
+
+    g = torch.Generator().manual_seed(1)
+    B, L, H, d = 1, 12, 2, 8
+    q, r = (
+        torch.randn(B, L, H, d, dtype=torch.float64, generator=g),
+        torch.randn(B, L, H, d, dtype=torch.float64, generator=g),
+    )
+    r[..., [1, 1 + d // 2]] = 0.0  # frequency 1: nothing position-free
+    probs = torch.softmax(torch.randn(B, H, L, L, dtype=torch.float64, generator=g), -1)
+    fit = fit_rotation_stand_in(fit_sums(q, r, probs, torch.zeros(d // 2)))
+    assert torch.allclose(fit, torch.tensor([1.0, 0.0], dtype=torch.float64).expand_as(fit), atol=1e-9)
+    turning = fit_rotation_stand_in(fit_sums(q, r, probs, torch.full((d // 2,), 0.5)))
+    assert not torch.allclose(turning[:, 0], torch.tensor([1.0, 0.0], dtype=torch.float64))  # it does fit something
+    assert torch.equal(turning[:, 1], torch.tensor([1.0, 0.0], dtype=torch.float64).expand(H, 2))
+
+
+def test_key_remainder_removes_the_rotary_mixture():
+    from convert.targets.nope_fit import key_remainder
+
+    g = torch.Generator().manual_seed(2)
+    B, L, G, d = 2, 5, 3, 8
+    k = torch.randn(B, L, G, d, dtype=torch.float64, generator=g)
+    u = torch.nn.functional.normalize(torch.randn(d // 2, G, dtype=torch.float64, generator=g), dim=-1)  # (d/2, G)
+    r = key_remainder(k, u)
+    pairs, rest = k.reshape(B, L, G, 2, d // 2), r.reshape(B, L, G, 2, d // 2)
+    assert torch.einsum("blgph,hg->blph", rest, u).abs().max() < 1e-12  # nothing of u_j left
+    removed = pairs - rest  # = u_j (u_jᵀ k): along u_j over the groups
+    along = torch.einsum("blgph,hg->blph", pairs, u)
+    assert torch.allclose(removed, u.T[None, None, :, None, :] * along[:, :, None], atol=1e-12)
+
+
+def test_attention_probabilities_are_the_modules_own():
+    from transformers.masking_utils import create_causal_mask
+
+    from convert.targets.nope_fit import attention_probabilities
+
+    model = tiny_llama(3)
+    model.config._attn_implementation = "eager"
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
+    captured = {}
+    attention = model.model.layers[1].self_attn
+
+    def keep(module, args, kwargs, output):
+        captured.update(x=kwargs["hidden_states"], rotary=kwargs["position_embeddings"], probs=output[1])
+
+    handle = attention.register_forward_hook(keep, with_kwargs=True)
+    with torch.no_grad():
+        model(ids)
+    handle.remove()
+    positions = torch.arange(10)[None]
+    embeds = model.model.embed_tokens(ids)
+    mask = create_causal_mask(
+        config=model.config, inputs_embeds=embeds, attention_mask=None, past_key_values=None, position_ids=positions
+    )
+    with torch.no_grad():
+        got = attention_probabilities(attention, captured["x"], captured["rotary"], mask)
+        causal = attention_probabilities(attention, captured["x"], captured["rotary"], None)  # as sdpa leaves it
+    assert torch.allclose(got, captured["probs"], atol=1e-6)
+    assert torch.allclose(causal, captured["probs"], atol=1e-6)
+
+
+def test_the_fitted_stand_in_beats_unrotated_terms_on_smollm2(smollm2, tmp_path):
+    """SmolLM2 (G = 3) calibrated on one Austen novel, perplexity on another: the fitted stand-in
+    for the dropped rotations loses less than keeping the position-free terms unrotated."""
+    import json
+
+    import realdata
+    from transformers import AutoModelForCausalLM
+
+    from convert.compress.calibrate import calibrate
+    from convert.io import open_checkpoint
+    from convert.targets.vllm import resolve_vllm_spec, rotation_fit_observer
+    from convert.text import text_token_ids
+
+    config = json.loads((smollm2 / "config.json").read_text())
+    calib_path, eval_path = tmp_path / "calib.txt", tmp_path / "eval.txt"
+    calib_path.write_text(realdata.austen_text("prideprejudice"), encoding="utf-8")
+    eval_path.write_text(realdata.austen_text("persuasion"), encoding="utf-8")
+    calib = text_token_ids(calib_path, smollm2, config["vocab_size"], 2048)
+    ids = text_token_ids(eval_path, smollm2, config["vocab_size"], 512)
+    with open_checkpoint(smollm2) as checkpoint:
+        state = {name: checkpoint.get(name) for name in checkpoint.keys()}
+        _, source, spec = resolve_vllm_spec(state, config)
+        observe = rotation_fit_observer(source, spec, config)
+        stats = calibrate(checkpoint, config, calib, spec.n_layers, observe=observe)
+    assert all(s.rotation_fit.shape == (9, 32, 2) for s in stats)
+
+    def perplexity(model) -> float:
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+        return float(logp.gather(-1, ids[0, 1:, None]).mean().neg().exp())
+
+    original = perplexity(AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval())
+    ratios = {}
+    for stand_in in ("fit", "nope"):
+        deepseek, _, _, export = exported_model_from(state, config, stats, stand_in=stand_in)
+        assert export["position_free_terms"] == stand_in
+        ratios[stand_in] = perplexity(deepseek) / original
+    assert 1.0 < ratios["fit"] < ratios["nope"], ratios

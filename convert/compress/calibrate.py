@@ -18,6 +18,7 @@ class LayerStats:
     key_fisher: torch.Tensor | None = None  # (G·d, G·d) E[g gᵀ], g = ∂loss/∂k (q/k norm: ∂loss/∂n) (fisher)
     value_fisher: torch.Tensor | None = None  # (G·d, G·d) E[g gᵀ], g = ∂loss/∂v
     normed_key_moment: torch.Tensor | None = None  # q/k norm: (G·d, G·d) E[n nᵀ], n the normed keys
+    rotation_fit: torch.Tensor | None = None  # vllm target: (H, d/2, 2) (α, β) (convert.targets.nope_fit)
 
     def augmented(self) -> torch.Tensor:
         """Second moment of [x; 1] (D+1, D+1), for affine maps (a bias as an extra column)."""
@@ -41,18 +42,25 @@ def calibrate(
     device="cpu",
     dtype=torch.float32,
     progress=iter,
+    observe=None,
 ) -> list[LayerStats]:
-    """Stream the original model over `token_ids` (1, N) and collect every layer's input moments."""
+    """Stream the original model over `token_ids` (1, N) and collect every layer's input moments.
+
+    observe: called as observe(layer, x, decoder, (positions, rotary, mask), stats) after each
+    layer's moments, to add what a target needs of the same pass (x (B, L, D) its normed inputs)."""
     rows = windows(token_ids, min(window, token_ids.shape[-1]))  # (B, L)
     stream = LayerStream(checkpoint, config, torch.device(device), dtype)
     stats = []
-    for _, x, decoder, _ in stream.run(rows, n_layers, progress):
+    for index, x, decoder, inputs in stream.run(rows, n_layers, progress):
         flat = x.reshape(-1, x.shape[-1]).double().cpu()  # (B·L, D)
         layer = LayerStats(flat.T @ flat / flat.shape[0], flat.mean(0))
         if hasattr(decoder.self_attn, "k_norm"):
             with torch.no_grad():
                 n = normed_keys(decoder.self_attn, x).double().cpu()  # (B·L, G·d)
             layer.normed_key_moment = n.T @ n / n.shape[0]
+        if observe is not None:
+            with torch.no_grad():
+                observe(index, x, decoder, inputs, layer)
         stats.append(layer)
     return stats
 

@@ -19,6 +19,11 @@ head dim d = 64, hidden D, nope = max((G-1)·d, d):
   the latent, their rotation dropped. U_j's first row minimizes the query-weighted score
   energy that loses its rotation, on the calibration text (`rotary_direction`). Exact for
   G = 1, and for key heads that are multiples of one another.
+- In place of the dropped rotation R(-θ_j Δ), head h's NoPE query carries a fixed 2×2
+  stand-in [[α, β], [-β, α]] per frequency, fitted on the calibration text by least squares
+  weighted by the original's attention probabilities (`convert.targets.nope_fit`, gathered
+  in the calibration pass by `rotation_fit_observer`); the identity (terms unrotated) without
+  one. SmolLM2 dev-text perplexity: ×1.16 fitted, ×1.36 unrotated (bench/vllm_variants.py).
 - The latent norm: `rms_norm_eps` = 2^40 makes RMSNorm of the O(1) latent linear (×2^-20,
   undone by its weight 2^20); the residual stream is scaled by s = sqrt(2^40 / eps_source)
   (embeddings, o_proj, down_proj × s), so every other norm sees exactly the source's eps and
@@ -44,6 +49,13 @@ from convert.targets.deepseek import (
     _deepseek_config_fields,
     _pass_through_names,
     export_spec,
+)
+from convert.targets.nope_fit import (
+    attention_probabilities,
+    fit_rotation_stand_in,
+    fit_sums,
+    key_remainder,
+    rope_inv_freq,
 )
 from convert.transform import LayerWeights
 
@@ -129,11 +141,13 @@ def attention_tensors(
     nope: int,
     q_scale: float,
     s: float,
-    secondary: torch.Tensor | None = None,
+    stand_in: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """One layer's DeepseekV3Attention tensors (float64), by name relative to `self_attn.`.
 
-    secondary (d/2,): the weight of frequency j's position-free (NoPE) terms (default 1)."""
+    stand_in (H, d/2, 2): (α, β) of head h's position-free (NoPE) terms at frequency j, which
+    stand in for the dropped rotation as q_hᵀ [[α, β], [-β, α]] r (`convert.targets.nope_fit`);
+    default (1, 0), the terms unrotated."""
     G, d, H = spec.n_kv_heads, spec.head_dim, spec.n_heads
     first, second = rotate_half_pairs(d)
     hidden = w.q.shape[1]
@@ -152,11 +166,13 @@ def attention_tensors(
     used = (G - 1) * d  # NoPE dims that carry something
     k_nope = torch.cat([k_first[1:], k_second[1:]], dim=1).reshape(used, hidden)  # (used, D)
     q_nope = torch.zeros(H, nope, hidden, dtype=torch.float64)
-    scale = torch.ones(d // 2, dtype=torch.float64) if secondary is None else secondary.double()
-    scale = scale[None, None, :, None]  # (1, 1, d/2, 1)
-    q_nope[:, :used] = (
-        torch.cat([scale * q_first[1:], scale * q_second[1:]], dim=2).permute(1, 0, 2, 3).reshape(H, used, hidden)
-    )
+    if stand_in is None:
+        stand_in = torch.stack([torch.ones(H, d // 2), torch.zeros(H, d // 2)], dim=-1)
+    alpha, beta = (stand_in[..., i].double()[None, :, :, None] for i in (0, 1))  # (1, H, d/2, 1)
+    # the query side of q_hᵀ M r: Mᵀq = (α q1 - β q2, β q1 + α q2) for pair (q1, q2)
+    first_nope = alpha * q_first[1:] - beta * q_second[1:]  # (G-1, H, d/2, D)
+    second_nope = beta * q_first[1:] + alpha * q_second[1:]  # (G-1, H, d/2, D)
+    q_nope[:, :used] = torch.cat([first_nope, second_nope], dim=2).permute(1, 0, 2, 3).reshape(H, used, hidden)
 
     latent = torch.zeros(KV_LORA_RANK, hidden, dtype=torch.float64)
     latent[:used] = k_nope
@@ -231,28 +247,72 @@ def resolve_vllm_spec(state_dict: dict, config) -> tuple[dict, StateDictSource, 
     return export_spec(state_dict, config, "vllm")
 
 
-def secondary_weights(head_dim: int, theta: float, mode: str, span: int = 1024) -> torch.Tensor | None:
-    """Weight of each frequency's NoPE terms (d/2,): nope 1 (rotation dropped: distance 0),
-    drop 0, expected E[cos(θ_j Δ)] over Δ uniform in [0, span) (the least-squares scalar
-    for q·R(θΔ)k ≈ α q·k when the sine part averages out)."""
+STAND_INS = ("fit", "nope", "drop", "expected")
+
+
+def position_free_stand_in(
+    mode: str, layer_stats, n_heads: int, head_dim: int, theta: float, span: int = 1024
+) -> torch.Tensor | None:
+    """(α, β) per head and frequency (H, d/2, 2) of the position-free (NoPE) terms, or None for
+    (1, 0), the terms unrotated (their rotation dropped: right at distance 0). mode fit: the
+    calibration's attention-weighted least-squares fit (`layer_stats.rotation_fit`, from
+    `rotation_fit_observer`; None without one); drop: (0, 0); expected: (E[cos θ_j Δ], 0) over Δ
+    uniform in [0, span). Measured on a dev text: bench/vllm_variants.py."""
+    if mode == "fit":
+        return getattr(layer_stats, "rotation_fit", None)
     if mode == "nope":
         return None
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (d/2,)
+    inv_freq = rope_inv_freq(theta, head_dim)  # (d/2,)
     if mode == "drop":
-        return torch.zeros_like(inv_freq)
-    delta = torch.arange(span, dtype=torch.float64)
-    return torch.cos(inv_freq[:, None] * delta[None, :]).mean(1)
+        alpha = torch.zeros_like(inv_freq)
+    elif mode == "expected":
+        alpha = torch.cos(inv_freq[:, None] * torch.arange(span, dtype=torch.float64)[None, :]).mean(1)
+    else:
+        raise ValueError(f"unknown stand-in {mode!r}; use one of {STAND_INS}")
+    return torch.stack([alpha, torch.zeros_like(alpha)], dim=-1).expand(n_heads, -1, -1)
+
+
+def rotation_fit_observer(source, spec: AttentionSpec, config):
+    """A `convert.compress.calibrate` observer that stores each layer's fitted stand-in for the
+    dropped rotations (`convert.targets.nope_fit`) in its stats' `rotation_fit` (H, d/2, 2):
+    the layer's rotary directions from the moment just gathered, the original's attention
+    probabilities on the calibration windows. source: the in-memory source of `resolve_vllm_spec`."""
+    from convert.hf import hf_config
+
+    theta = float(hf_config(config).rope_parameters["rope_theta"])
+    H, G, d = spec.n_heads, spec.n_kv_heads, spec.head_dim
+    inv_freq = rope_inv_freq(theta, d)  # (d/2,)
+    groups = group_of_head(H, G, spec.head_map)  # (H,)
+
+    def observe(layer: int, x: torch.Tensor, decoder, inputs, layer_stats) -> None:
+        _, rotary, mask = inputs
+        rotations = group_rotations(read_layer(source, spec, layer), spec, layer_stats.moment)  # (d/2, G, G)
+        attention = decoder.self_attn
+        sums = 0
+        for window in x.split(1):  # one (1, L, D) window at a time: its probabilities are (H, L, L)
+            L = window.shape[1]
+            q = attention.q_proj(window).view(1, L, H, d)  # pre-RoPE queries
+            k = attention.k_proj(window).view(1, L, G, d)  # pre-RoPE keys
+            remainder = key_remainder(k, rotations[:, 0, :])[:, :, groups]  # (1, L, H, d): each head's group's
+            probs = attention_probabilities(
+                attention, window, rotary, None if mask is None else mask[:1]
+            )  # (1, H, L, L)
+            sums = sums + fit_sums(q, remainder, probs, inv_freq)
+        layer_stats.rotation_fit = fit_rotation_stand_in(sums)
+
+    return observe
 
 
 def to_vllm_deepseek(
-    state_dict: dict[str, torch.Tensor], config, stats=None, dtype=None, secondary: str = "nope", span: int = 1024
+    state_dict: dict[str, torch.Tensor], config, stats=None, dtype=None, stand_in: str = "fit", span: int = 1024
 ) -> tuple[dict, dict]:
     """Export a GQA model (Llama, Mistral) as a DeepseekV3ForCausalLM that vLLM serves with MLA.
 
     state_dict: the source's tensors (HF names). config: its config.json dict or a
     transformers config. stats: per-layer calibration statistics
-    (`convert.compress.calibrate`; needed when G > 1). dtype: of every tensor written
-    (default the source's query weight dtype).
+    (`convert.compress.calibrate`; needed when G > 1; with `rotation_fit_observer` they also
+    carry the fitted stand-in for the dropped rotations). dtype: of every tensor written
+    (default the source's query weight dtype). stand_in, span: `position_free_stand_in`.
 
     Returns (state_dict, config_dict) with `model_type: deepseek_v3`. Exact for G = 1;
     for G > 1 lossy by construction (module docstring): only 64 rotary key dims. Raises
@@ -304,15 +364,18 @@ def to_vllm_deepseek(
         .to(dtype)
         .clone()
     )
-    weights_nope = secondary_weights(spec.head_dim, float(hf_src.rope_parameters["rope_theta"]), secondary, span)
-    retained = []
+    theta = float(hf_src.rope_parameters["rope_theta"])
+    retained, fitted = [], []
     for layer in range(spec.n_layers):
         weights = read_layer(source, spec, layer)
-        moment = stats[layer].moment if stats is not None else None
+        layer_stats = stats[layer] if stats is not None else None
+        moment = layer_stats.moment if layer_stats is not None else None
         rotations = group_rotations(weights, spec, moment)
         retained.append(rotary_energy_kept(weights, spec, rotations, moment))
+        terms = position_free_stand_in(stand_in, layer_stats, spec.n_heads, spec.head_dim, theta, span)
+        fitted.append(terms is not None)
         prefix = spec.prefix(layer)
-        for name, tensor in attention_tensors(weights, spec, rotations, geo["nope"], q_scale, s, weights_nope).items():
+        for name, tensor in attention_tensors(weights, spec, rotations, geo["nope"], q_scale, s, terms).items():
             out[prefix + name] = tensor.to(dtype).contiguous()
 
     result["convert_export"] = {
@@ -325,6 +388,7 @@ def to_vllm_deepseek(
         "head_dim": spec.head_dim,
         "exact": spec.n_kv_heads == 1,
         "rotary_key_energy_kept": retained,
+        "position_free_terms": "exact" if spec.n_kv_heads == 1 else (stand_in if all(fitted) else "nope"),
         "kv_cache_dims_per_token_per_layer": cache_values_per_layer(),
         "gqa_cache_dims_per_token_per_layer": 2 * spec.n_kv_heads * spec.head_dim,
     }
