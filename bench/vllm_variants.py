@@ -1,6 +1,7 @@
 """Variants of the vllm target's position-free (NoPE) terms on SmolLM2, transformers DeepseekV3
-only (no vLLM): fit (the default: the attention-weighted least-squares stand-in for the dropped
-rotations, convert.targets.nope_fit), nope (unrotated), drop, expected (E[cos] over a span).
+only (no vLLM): fit (the default: the least-squares stand-in for the dropped rotations on key
+samples drawn from the attention probabilities, convert.targets.nope_fit; 32 keys per query,
+the default, and 128), nope (unrotated), drop, expected (E[cos] over a span).
 
 Calibrates on Pride and Prejudice (4096 tokens), measures perplexity ratio against the
 original on a DEV text (Persuasion, 2048 tokens; not the held-out Emma of
@@ -20,6 +21,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCa
 
 from convert.compress.calibrate import calibrate
 from convert.io import open_checkpoint
+from convert.targets.nope_fit import SAMPLES
 from convert.targets.vllm import match_vllm_norms, resolve_vllm_spec, rotation_fit_observer, to_vllm_deepseek
 from convert.text import text_token_ids
 
@@ -31,8 +33,12 @@ cal = text_token_ids(_common.austen_file("prideprejudice"), src, config["vocab_s
 with open_checkpoint(src) as ck:
     sd = {n: ck.get(n) for n in ck.keys()}
     _, view, spec = resolve_vllm_spec(sd, config)
-    observe = rotation_fit_observer(view, spec, config)
-    stats = calibrate(ck, config, cal, config["num_hidden_layers"], observe=observe)
+    stats = {
+        samples: calibrate(
+            ck, config, cal, config["num_hidden_layers"], observe=rotation_fit_observer(view, spec, config, samples)
+        )
+        for samples in (SAMPLES, 128)
+    }
 orig = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
 
 
@@ -44,14 +50,15 @@ def ppl(m):
 
 p0 = ppl(orig)
 results = []
-variants = [("fit", 0), ("nope", 0), ("drop", 0), ("expected", 64), ("expected", 256), ("expected", 1024)]
-for mode, span in variants:
-    t, c = to_vllm_deepseek(sd, config, stats, stand_in=mode, span=max(span, 1))
+variants = [("fit", 0, SAMPLES), ("fit", 0, 128), ("nope", 0, 0), ("drop", 0, 0)]
+variants += [("expected", span, 0) for span in (64, 256, 1024)]
+for mode, span, samples in variants:
+    t, c = to_vllm_deepseek(sd, config, stats[samples or SAMPLES], stand_in=mode, span=max(span, 1))
     c.pop("convert_export")
     m = DeepseekV3ForCausalLM(DeepseekV3Config.from_dict(c)).eval()
     m.load_state_dict(t, strict=False)
     match_vllm_norms(m)
-    results.append({"stand_in": mode, "span": span, "ppl_ratio_dev": ppl(m) / p0})
+    results.append({"stand_in": mode, "span": span, "samples": samples, "ppl_ratio_dev": ppl(m) / p0})
     print(results[-1], flush=True)
 _common.write_json(
     _common.RESULTS / "vllm_variants_smollm2.json",

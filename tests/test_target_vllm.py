@@ -149,57 +149,72 @@ def test_api_writes_a_report_that_says_where_it_is_lossy(tmp_path):
 # ------------------------------------------------------------------ the fitted stand-in for dropped rotations
 
 
-def _brute_force_sums(q, r, probs, inv_freq) -> torch.Tensor:
-    """`fit_sums` over every (window, m, n, head, frequency), as its docstring defines them."""
-    B, L, H, d = q.shape
+def _brute_force_equations(q, r, keys, inv_freq):
+    """`fit_normal_equations` pair by pair, as its docstring defines them."""
+    L, H, d = q.shape
     half = d // 2
-    out = torch.zeros(H, half, 5, dtype=torch.float64)
-    q, r, probs = q.double(), r.double(), probs.double()
-    for w in range(B):
+    gram, rhs = torch.zeros(H, d, d, dtype=torch.float64), torch.zeros(H, d, dtype=torch.float64)
+    q, r = q.double(), r.double()
+    for h in range(H):
         for m in range(L):
-            for n in range(L):
-                phi = inv_freq.double() * (m - n)  # (d/2,)
-                a, b = q[w, m, :, :half], q[w, m, :, half:]  # (H, d/2)
-                x, y = r[w, n, :, :half], r[w, n, :, half:]
-                f1, f2 = a * x + b * y, a * y - b * x
+            for n in keys[h, m].tolist():
+                a, b = q[m, h, :half], q[m, h, half:]  # (d/2,)
+                x, y = r[n, h, :half], r[n, h, half:]
+                phi = inv_freq.double() * (m - n)
                 # q·R(-φ)r with rotate_half's R(φ) = [[cos, -sin], [sin, cos]] on (first, second)
-                t = a * (phi.cos() * x + phi.sin() * y) + b * (-phi.sin() * x + phi.cos() * y)
-                p = probs[w, :, m, n][:, None]  # (H, 1)
-                out += torch.stack([p * f1 * f1, p * f1 * f2, p * f2 * f2, p * t * f1, p * t * f2], dim=-1)
-    return out
+                t = (a * (phi.cos() * x + phi.sin() * y) + b * (-phi.sin() * x + phi.cos() * y)).sum()
+                f = torch.cat([a * x + b * y, a * y - b * x])  # (d,)
+                gram[h] += torch.outer(f, f)
+                rhs[h] += f * t
+    return gram, rhs
 
 
-def test_fit_sums_equal_the_sums_over_every_query_key_pair():
-    from convert.targets.nope_fit import fit_sums
+def test_normal_equations_equal_the_sums_over_the_drawn_pairs():
+    from convert.targets.nope_fit import fit_normal_equations, sample_keys
 
     g = torch.Generator().manual_seed(0)
-    B, L, H, d = 2, 6, 3, 8
-    q, r = torch.randn(B, L, H, d, generator=g), torch.randn(B, L, H, d, generator=g)
-    probs = torch.softmax(torch.randn(B, H, L, L, generator=g), -1).tril()  # any weights: causal here
+    L, H, d = 7, 3, 8
+    q, r = torch.randn(L, H, d, generator=g), torch.randn(L, H, d, generator=g)
+    probs = torch.softmax(torch.randn(H, L, L, generator=g).masked_fill(torch.ones(L, L).triu(1).bool(), -1e9), -1)
+    keys = sample_keys(probs, 5, torch.Generator().manual_seed(1))  # (H, L, 5)
+    assert (keys <= torch.arange(L)[None, :, None]).all()  # causal: only keys the query attends
     inv_freq = 10.0 ** -torch.linspace(0, 2, d // 2)
-    got = fit_sums(q.double(), r.double(), probs.double(), inv_freq)
-    want = _brute_force_sums(q, r, probs, inv_freq)
-    assert torch.allclose(got, want, rtol=1e-10, atol=1e-10)
+    got = fit_normal_equations(q, r, keys, inv_freq)
+    want = _brute_force_equations(q, r, keys, inv_freq)
+    for g_, w_ in zip(got, want):
+        assert torch.allclose(g_, w_, rtol=1e-10, atol=1e-10)
+
+
+def test_sampled_keys_follow_the_attention_probabilities():
+    from convert.targets.nope_fit import sample_keys
+
+    probs = torch.tensor([[[1.0, 0.0, 0.0], [0.25, 0.75, 0.0], [0.1, 0.2, 0.7]]])  # (1, 3, 3)
+    keys = sample_keys(probs, 20000, torch.Generator().manual_seed(0))[0]  # (3, 20000)
+    for m in range(3):
+        share = torch.bincount(keys[m], minlength=3).double() / keys.shape[-1]
+        assert torch.allclose(share, probs[0, m].double(), atol=0.02), (m, share)
 
 
 def test_fit_recovers_a_stand_in_that_is_exact():
     """Where the rotation does not turn (θ = 0) the unrotated terms are exact: the fit gives (1, 0);
-    a frequency with no remainder gets (1, 0) too, not a division by zero."""
-    from convert.targets.nope_fit import fit_rotation_stand_in, fit_sums
+    a frequency with no remainder gets (1, 0) too, not a singular solve."""
+    from convert.targets.nope_fit import fit_normal_equations, fit_rotation_stand_in, sample_keys
 
     g = torch.Generator().manual_seed(1)
-    B, L, H, d = 1, 12, 2, 8
+    L, H, d = 12, 2, 8
     q, r = (
-        torch.randn(B, L, H, d, dtype=torch.float64, generator=g),
-        torch.randn(B, L, H, d, dtype=torch.float64, generator=g),
+        torch.randn(L, H, d, dtype=torch.float64, generator=g),
+        torch.randn(L, H, d, dtype=torch.float64, generator=g),
     )
     r[..., [1, 1 + d // 2]] = 0.0  # frequency 1: nothing position-free
-    probs = torch.softmax(torch.randn(B, H, L, L, dtype=torch.float64, generator=g), -1)
-    fit = fit_rotation_stand_in(fit_sums(q, r, probs, torch.zeros(d // 2)))
-    assert torch.allclose(fit, torch.tensor([1.0, 0.0], dtype=torch.float64).expand_as(fit), atol=1e-9)
-    turning = fit_rotation_stand_in(fit_sums(q, r, probs, torch.full((d // 2,), 0.5)))
-    assert not torch.allclose(turning[:, 0], torch.tensor([1.0, 0.0], dtype=torch.float64))  # it does fit something
-    assert torch.equal(turning[:, 1], torch.tensor([1.0, 0.0], dtype=torch.float64).expand(H, 2))
+    probs = torch.softmax(torch.randn(H, L, L, dtype=torch.float64, generator=g), -1)
+    keys = sample_keys(probs, 8, torch.Generator().manual_seed(2))
+    unrotated = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    fit = fit_rotation_stand_in(*fit_normal_equations(q, r, keys, torch.zeros(d // 2)))
+    assert torch.allclose(fit, unrotated.expand_as(fit), atol=1e-9)
+    turning = fit_rotation_stand_in(*fit_normal_equations(q, r, keys, torch.full((d // 2,), 0.5)))
+    assert not torch.allclose(turning[:, 0], unrotated)  # it does fit something
+    assert torch.equal(turning[:, 1], unrotated.expand(H, 2))
 
 
 def test_key_remainder_removes_the_rotary_mixture():

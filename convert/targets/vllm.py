@@ -20,10 +20,11 @@ head dim d = 64, hidden D, nope = max((G-1)·d, d):
   energy that loses its rotation, on the calibration text (`rotary_direction`). Exact for
   G = 1, and for key heads that are multiples of one another.
 - In place of the dropped rotation R(-θ_j Δ), head h's NoPE query carries a fixed 2×2
-  stand-in [[α, β], [-β, α]] per frequency, fitted on the calibration text by least squares
-  weighted by the original's attention probabilities (`convert.targets.nope_fit`, gathered
-  in the calibration pass by `rotation_fit_observer`); the identity (terms unrotated) without
-  one. SmolLM2 dev-text perplexity: ×1.16 fitted, ×1.36 unrotated (bench/vllm_variants.py).
+  stand-in [[α_j, β_j], [-β_j, α_j]] per frequency, all of a head's fitted together to its
+  position-free score on the calibration text, by least squares over (query, key) pairs drawn
+  from the original's attention probabilities (`convert.targets.nope_fit`, gathered in the
+  calibration pass by `rotation_fit_observer`); the identity (terms unrotated) without one.
+  SmolLM2 dev-text perplexity: ×1.13 fitted, ×1.36 unrotated (bench/vllm_variants.py).
 - The latent norm: `rms_norm_eps` = 2^40 makes RMSNorm of the O(1) latent linear (×2^-20,
   undone by its weight 2^20); the residual stream is scaled by s = sqrt(2^40 / eps_source)
   (embeddings, o_proj, down_proj × s), so every other norm sees exactly the source's eps and
@@ -51,11 +52,13 @@ from convert.targets.deepseek import (
     export_spec,
 )
 from convert.targets.nope_fit import (
+    SAMPLES,
     attention_probabilities,
+    fit_normal_equations,
     fit_rotation_stand_in,
-    fit_sums,
     key_remainder,
     rope_inv_freq,
+    sample_keys,
 )
 from convert.transform import LayerWeights
 
@@ -272,11 +275,12 @@ def position_free_stand_in(
     return torch.stack([alpha, torch.zeros_like(alpha)], dim=-1).expand(n_heads, -1, -1)
 
 
-def rotation_fit_observer(source, spec: AttentionSpec, config):
+def rotation_fit_observer(source, spec: AttentionSpec, config, samples: int = SAMPLES):
     """A `convert.compress.calibrate` observer that stores each layer's fitted stand-in for the
     dropped rotations (`convert.targets.nope_fit`) in its stats' `rotation_fit` (H, d/2, 2):
-    the layer's rotary directions from the moment just gathered, the original's attention
-    probabilities on the calibration windows. source: the in-memory source of `resolve_vllm_spec`."""
+    the layer's rotary directions from the moment just gathered, `samples` keys per query drawn
+    from the original's attention probabilities (seeded by the layer index: the same every run).
+    source: the in-memory source of `resolve_vllm_spec`."""
     from convert.hf import hf_config
 
     theta = float(hf_config(config).rope_parameters["rope_theta"])
@@ -288,17 +292,18 @@ def rotation_fit_observer(source, spec: AttentionSpec, config):
         _, rotary, mask = inputs
         rotations = group_rotations(read_layer(source, spec, layer), spec, layer_stats.moment)  # (d/2, G, G)
         attention = decoder.self_attn
-        sums = 0
+        generator = torch.Generator().manual_seed(layer)
+        gram, rhs = 0, 0
         for window in x.split(1):  # one (1, L, D) window at a time: its probabilities are (H, L, L)
             L = window.shape[1]
-            q = attention.q_proj(window).view(1, L, H, d)  # pre-RoPE queries
+            q = attention.q_proj(window).view(L, H, d)  # pre-RoPE queries
             k = attention.k_proj(window).view(1, L, G, d)  # pre-RoPE keys
-            remainder = key_remainder(k, rotations[:, 0, :])[:, :, groups]  # (1, L, H, d): each head's group's
-            probs = attention_probabilities(
-                attention, window, rotary, None if mask is None else mask[:1]
-            )  # (1, H, L, L)
-            sums = sums + fit_sums(q, remainder, probs, inv_freq)
-        layer_stats.rotation_fit = fit_rotation_stand_in(sums)
+            remainder = key_remainder(k, rotations[:, 0, :])[0][:, groups]  # (L, H, d): each head's group's
+            probs = attention_probabilities(attention, window, rotary, None if mask is None else mask[:1])
+            keys = sample_keys(probs[0].cpu(), samples, generator)  # (H, L, S)
+            window_gram, window_rhs = fit_normal_equations(q.cpu(), remainder.cpu(), keys, inv_freq)
+            gram, rhs = gram + window_gram, rhs + window_rhs
+        layer_stats.rotation_fit = fit_rotation_stand_in(gram, rhs)
 
     return observe
 
