@@ -1,7 +1,7 @@
 """Variants of the vllm target's position-free (NoPE) terms on SmolLM2, transformers DeepseekV3
 only (no vLLM): fit (the default: the least-squares stand-in for the dropped rotations on key
 samples drawn from the attention probabilities, convert.targets.nope_fit; 32 keys per query,
-the default, and 128), nope (unrotated), drop, expected (E[cos] over a span).
+the default, and 16), nope (unrotated), drop, expected (E[cos] over a span).
 
 Calibrates on Pride and Prejudice (4096 tokens), measures perplexity ratio against the
 original on a DEV text (Persuasion, 2048 tokens; not the held-out Emma of
@@ -37,7 +37,7 @@ with open_checkpoint(src) as ck:
         samples: calibrate(
             ck, config, cal, config["num_hidden_layers"], observe=rotation_fit_observer(view, spec, config, samples)
         )
-        for samples in (SAMPLES, 128)
+        for samples in (SAMPLES, 16)
     }
 orig = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
 
@@ -50,7 +50,7 @@ def ppl(m):
 
 p0 = ppl(orig)
 results = []
-variants = [("fit", 0, SAMPLES), ("fit", 0, 128), ("nope", 0, 0), ("drop", 0, 0)]
+variants = [("fit", 0, SAMPLES), ("fit", 0, 16), ("nope", 0, 0), ("drop", 0, 0)]
 variants += [("expected", span, 0) for span in (64, 256, 1024)]
 for mode, span, samples in variants:
     t, c = to_vllm_deepseek(sd, config, stats[samples or SAMPLES], stand_in=mode, span=max(span, 1))

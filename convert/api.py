@@ -471,8 +471,8 @@ def vllm_note(info: dict) -> str:
     kept = [e for e in info["rotary_key_energy_kept"] if e is not None]
     share = f" (they carry {100 * sum(kept) / len(kept):.1f}% of the query-weighted key energy)" if kept else ""
     stand_in = {
-        "fit": " and replaced by a fixed 2x2 map per head and frequency fitted on the calibration text "
-        "(attention-weighted least squares)",
+        "fit": " and replaced by fixed 2x2 maps per head and frequency, on those terms and on the rotary query, "
+        "fitted on the calibration text (least squares on key samples drawn from the attention)",
         "nope": " (the terms kept unrotated)",
     }.get(info.get("position_free_terms"), f" (stand-in: {info.get('position_free_terms')})")
     return text + (

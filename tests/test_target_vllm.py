@@ -149,21 +149,26 @@ def test_api_writes_a_report_that_says_where_it_is_lossy(tmp_path):
 # ------------------------------------------------------------------ the fitted stand-in for dropped rotations
 
 
-def _brute_force_equations(q, r, keys, inv_freq):
+def _brute_force_equations(q, r, k0, keys, inv_freq):
     """`fit_normal_equations` pair by pair, as its docstring defines them."""
     L, H, d = q.shape
     half = d // 2
-    gram, rhs = torch.zeros(H, d, d, dtype=torch.float64), torch.zeros(H, d, dtype=torch.float64)
-    q, r = q.double(), r.double()
+    gram, rhs = torch.zeros(H, 2 * d, 2 * d, dtype=torch.float64), torch.zeros(H, 2 * d, dtype=torch.float64)
+    q, r, k0 = q.double(), r.double(), k0.double()
+
+    def rotated(v, phi):  # R(-φ) v with rotate_half's R(φ) = [[cos, -sin], [sin, cos]] on (first, second)
+        x, y = v[:half], v[half:]
+        return torch.cat([phi.cos() * x + phi.sin() * y, -phi.sin() * x + phi.cos() * y])
+
+    def dot_cross(u, v):
+        return torch.cat([u[:half] * v[:half] + u[half:] * v[half:], u[:half] * v[half:] - u[half:] * v[:half]])
+
     for h in range(H):
         for m in range(L):
             for n in keys[h, m].tolist():
-                a, b = q[m, h, :half], q[m, h, half:]  # (d/2,)
-                x, y = r[n, h, :half], r[n, h, half:]
                 phi = inv_freq.double() * (m - n)
-                # q·R(-φ)r with rotate_half's R(φ) = [[cos, -sin], [sin, cos]] on (first, second)
-                t = (a * (phi.cos() * x + phi.sin() * y) + b * (-phi.sin() * x + phi.cos() * y)).sum()
-                f = torch.cat([a * x + b * y, a * y - b * x])  # (d,)
+                t = (q[m, h] * rotated(r[n, h], phi)).sum()  # q·R(-φ)r over every pair
+                f = torch.cat([dot_cross(q[m, h], r[n, h]), dot_cross(q[m, h], rotated(k0[n], phi))])  # (2d,)
                 gram[h] += torch.outer(f, f)
                 rhs[h] += f * t
     return gram, rhs
@@ -174,13 +179,13 @@ def test_normal_equations_equal_the_sums_over_the_drawn_pairs():
 
     g = torch.Generator().manual_seed(0)
     L, H, d = 7, 3, 8
-    q, r = torch.randn(L, H, d, generator=g), torch.randn(L, H, d, generator=g)
+    q, r, k0 = torch.randn(L, H, d, generator=g), torch.randn(L, H, d, generator=g), torch.randn(L, d, generator=g)
     probs = torch.softmax(torch.randn(H, L, L, generator=g).masked_fill(torch.ones(L, L).triu(1).bool(), -1e9), -1)
     keys = sample_keys(probs, 5, torch.Generator().manual_seed(1))  # (H, L, 5)
     assert (keys <= torch.arange(L)[None, :, None]).all()  # causal: only keys the query attends
     inv_freq = 10.0 ** -torch.linspace(0, 2, d // 2)
-    got = fit_normal_equations(q, r, keys, inv_freq)
-    want = _brute_force_equations(q, r, keys, inv_freq)
+    got = fit_normal_equations(q, r, k0, keys, inv_freq)
+    want = _brute_force_equations(q, r, k0, keys, inv_freq)
     for g_, w_ in zip(got, want):
         assert torch.allclose(g_, w_, rtol=1e-10, atol=1e-10)
 
@@ -195,26 +200,42 @@ def test_sampled_keys_follow_the_attention_probabilities():
         assert torch.allclose(share, probs[0, m].double(), atol=0.02), (m, share)
 
 
-def test_fit_recovers_a_stand_in_that_is_exact():
-    """Where the rotation does not turn (θ = 0) the unrotated terms are exact: the fit gives (1, 0);
-    a frequency with no remainder gets (1, 0) too, not a singular solve."""
+def _fit(q, r, k0, theta):
     from convert.targets.nope_fit import fit_normal_equations, fit_rotation_stand_in, sample_keys
 
+    L, H, d = q.shape
+    probs = torch.softmax(torch.randn(H, L, L, dtype=torch.float64, generator=torch.Generator().manual_seed(5)), -1)
+    keys = sample_keys(probs, 8, torch.Generator().manual_seed(2))
+    return fit_rotation_stand_in(*fit_normal_equations(q, r, k0, keys, torch.full((d // 2,), theta)))
+
+
+def test_fit_recovers_a_stand_in_that_is_exact():
+    """Where the rotation does not turn (θ = 0) the unrotated terms are exact: the fit gives (1, 0)
+    and adds nothing to the rotary query; a frequency with no remainder gets (1, 0), not a
+    singular solve. A remainder that is a rotation-form map C of the rotary mixture turns with
+    it: the fit moves it to the rotary query exactly, (α', β') = C's, position-free (0, 0)."""
     g = torch.Generator().manual_seed(1)
     L, H, d = 12, 2, 8
     q, r = (
         torch.randn(L, H, d, dtype=torch.float64, generator=g),
         torch.randn(L, H, d, dtype=torch.float64, generator=g),
     )
+    k0 = torch.randn(L, d, dtype=torch.float64, generator=g)
     r[..., [1, 1 + d // 2]] = 0.0  # frequency 1: nothing position-free
-    probs = torch.softmax(torch.randn(H, L, L, dtype=torch.float64, generator=g), -1)
-    keys = sample_keys(probs, 8, torch.Generator().manual_seed(2))
     unrotated = torch.tensor([1.0, 0.0], dtype=torch.float64)
-    fit = fit_rotation_stand_in(*fit_normal_equations(q, r, keys, torch.zeros(d // 2)))
-    assert torch.allclose(fit, unrotated.expand_as(fit), atol=1e-9)
-    turning = fit_rotation_stand_in(*fit_normal_equations(q, r, keys, torch.full((d // 2,), 0.5)))
-    assert not torch.allclose(turning[:, 0], unrotated)  # it does fit something
-    assert torch.equal(turning[:, 1], unrotated.expand(H, 2))
+    fit = _fit(q, r, k0, 0.0)
+    assert torch.allclose(fit[:, 0], unrotated.expand_as(fit[:, 0]), atol=1e-9)
+    assert fit[:, 1].abs().max() < 1e-9
+    turning = _fit(q, r, k0, 0.5)
+    assert not torch.allclose(turning[:, 0, 0], unrotated)  # it does fit something
+    assert torch.equal(turning[:, 0, 1], unrotated.expand(H, 2))
+
+    c, s = 0.6, -0.3  # C = [[c, s], [-s, c]]: C k0 = (c x + s y, -s x + c y) per pair
+    x, y = k0[:, : d // 2], k0[:, d // 2 :]
+    along = torch.cat([c * x + s * y, -s * x + c * y], dim=-1)[:, None].expand(L, H, d)  # (L, H, d)
+    moved = _fit(q, along.contiguous(), k0, 0.5)
+    assert moved[:, 0].abs().max() < 1e-8
+    assert torch.allclose(moved[:, 1], torch.tensor([c, s], dtype=torch.float64).expand_as(moved[:, 1]), atol=1e-8)
 
 
 def test_key_remainder_removes_the_rotary_mixture():
@@ -286,7 +307,7 @@ def test_the_fitted_stand_in_beats_unrotated_terms_on_smollm2(smollm2, tmp_path)
         _, source, spec = resolve_vllm_spec(state, config)
         observe = rotation_fit_observer(source, spec, config)
         stats = calibrate(checkpoint, config, calib, spec.n_layers, observe=observe)
-    assert all(s.rotation_fit.shape == (9, 32, 2) for s in stats)
+    assert all(s.rotation_fit.shape == (9, 2, 32, 2) for s in stats)
 
     def perplexity(model) -> float:
         with torch.no_grad():

@@ -18,7 +18,7 @@ class LayerStats:
     key_fisher: torch.Tensor | None = None  # (G·d, G·d) E[g gᵀ], g = ∂loss/∂k (q/k norm: ∂loss/∂n) (fisher)
     value_fisher: torch.Tensor | None = None  # (G·d, G·d) E[g gᵀ], g = ∂loss/∂v
     normed_key_moment: torch.Tensor | None = None  # q/k norm: (G·d, G·d) E[n nᵀ], n the normed keys
-    rotation_fit: torch.Tensor | None = None  # vllm target: (H, d/2, 2) (α, β) (convert.targets.nope_fit)
+    rotation_fit: torch.Tensor | None = None  # vllm target: (H, 2, d/2, 2) (convert.targets.nope_fit)
 
     def augmented(self) -> torch.Tensor:
         """Second moment of [x; 1] (D+1, D+1), for affine maps (a bias as an extra column)."""

@@ -20,11 +20,13 @@ head dim d = 64, hidden D, nope = max((G-1)·d, d):
   energy that loses its rotation, on the calibration text (`rotary_direction`). Exact for
   G = 1, and for key heads that are multiples of one another.
 - In place of the dropped rotation R(-θ_j Δ), head h's NoPE query carries a fixed 2×2
-  stand-in [[α_j, β_j], [-β_j, α_j]] per frequency, all of a head's fitted together to its
-  position-free score on the calibration text, by least squares over (query, key) pairs drawn
-  from the original's attention probabilities (`convert.targets.nope_fit`, gathered in the
-  calibration pass by `rotation_fit_observer`); the identity (terms unrotated) without one.
-  SmolLM2 dev-text perplexity: ×1.13 fitted, ×1.36 unrotated (bench/vllm_variants.py).
+  stand-in [[α_j, β_j], [-β_j, α_j]] per frequency, and its rotary query gains a map of the
+  same form on its own pairs (the rotary key carries what of the remainder is correlated with
+  it), all of a head's fitted together to its position-free score on the calibration text, by
+  least squares over (query, key) pairs drawn from the original's attention probabilities
+  (`convert.targets.nope_fit`, gathered in the calibration pass by `rotation_fit_observer`);
+  without calibration the terms stay unrotated. SmolLM2 dev-text perplexity: ×1.05 fitted,
+  ×1.36 unrotated (bench/vllm_variants.py).
 - The latent norm: `rms_norm_eps` = 2^40 makes RMSNorm of the O(1) latent linear (×2^-20,
   undone by its weight 2^20); the residual stream is scaled by s = sqrt(2^40 / eps_source)
   (embeddings, o_proj, down_proj × s), so every other norm sees exactly the source's eps and
@@ -58,6 +60,7 @@ from convert.targets.nope_fit import (
     fit_rotation_stand_in,
     key_remainder,
     rope_inv_freq,
+    rotary_mixture,
     sample_keys,
 )
 from convert.transform import LayerWeights
@@ -148,9 +151,10 @@ def attention_tensors(
 ) -> dict[str, torch.Tensor]:
     """One layer's DeepseekV3Attention tensors (float64), by name relative to `self_attn.`.
 
-    stand_in (H, d/2, 2): (α, β) of head h's position-free (NoPE) terms at frequency j, which
-    stand in for the dropped rotation as q_hᵀ [[α, β], [-β, α]] r (`convert.targets.nope_fit`);
-    default (1, 0), the terms unrotated."""
+    stand_in (H, 2, d/2, 2): for head h and frequency j, [h, 0, j] the (α, β) of its position-free
+    (NoPE) terms, which stand in for the dropped rotation as q_hᵀ [[α, β], [-β, α]] r, and
+    [h, 1, j] the (α', β') of the map added to its rotary query (`convert.targets.nope_fit`);
+    default the terms unrotated, nothing added."""
     G, d, H = spec.n_kv_heads, spec.head_dim, spec.n_heads
     first, second = rotate_half_pairs(d)
     hidden = w.q.shape[1]
@@ -164,15 +168,20 @@ def attention_tensors(
     q_first = torch.einsum("jch,hjD->chjD", coef, q[:, first])  # (G, H, d/2, D)
     q_second = torch.einsum("jch,hjD->chjD", coef, q[:, second])  # (G, H, d/2, D)
 
+    if stand_in is None:
+        stand_in = torch.zeros(H, 2, d // 2, 2, dtype=torch.float64)
+        stand_in[:, 0, :, 0] = 1.0  # unrotated
+    alpha, beta = (stand_in[:, 0, :, i].double()[None, :, :, None] for i in (0, 1))  # (1, H, d/2, 1)
+    alpha_pe, beta_pe = (stand_in[:, 1, :, i].double()[:, :, None] for i in (0, 1))  # (H, d/2, 1)
+    # a map [[α, β], [-β, α]] on the query side of qᵀ M k: Mᵀq = (α q1 - β q2, β q1 + α q2) for pair (q1, q2)
+    q1, q2 = q[:, first], q[:, second]  # (H, d/2, D)
+    q_pe_first = q_first[0] + alpha_pe * q1 - beta_pe * q2  # (H, d/2, D)
+    q_pe_second = q_second[0] + beta_pe * q1 + alpha_pe * q2
     k_pe = torch.stack([k_first[0], k_second[0]], dim=1).reshape(ROPE_DIM, hidden)  # interleaved (2j, 2j+1)
-    q_pe = torch.stack([q_first[0], q_second[0]], dim=2).reshape(H, ROPE_DIM, hidden)  # (H, 64, D)
+    q_pe = torch.stack([q_pe_first, q_pe_second], dim=2).reshape(H, ROPE_DIM, hidden)  # (H, 64, D)
     used = (G - 1) * d  # NoPE dims that carry something
     k_nope = torch.cat([k_first[1:], k_second[1:]], dim=1).reshape(used, hidden)  # (used, D)
     q_nope = torch.zeros(H, nope, hidden, dtype=torch.float64)
-    if stand_in is None:
-        stand_in = torch.stack([torch.ones(H, d // 2), torch.zeros(H, d // 2)], dim=-1)
-    alpha, beta = (stand_in[..., i].double()[None, :, :, None] for i in (0, 1))  # (1, H, d/2, 1)
-    # the query side of q_hᵀ M r: Mᵀq = (α q1 - β q2, β q1 + α q2) for pair (q1, q2)
     first_nope = alpha * q_first[1:] - beta * q_second[1:]  # (G-1, H, d/2, D)
     second_nope = beta * q_first[1:] + alpha * q_second[1:]  # (G-1, H, d/2, D)
     q_nope[:, :used] = torch.cat([first_nope, second_nope], dim=2).permute(1, 0, 2, 3).reshape(H, used, hidden)
@@ -256,11 +265,11 @@ STAND_INS = ("fit", "nope", "drop", "expected")
 def position_free_stand_in(
     mode: str, layer_stats, n_heads: int, head_dim: int, theta: float, span: int = 1024
 ) -> torch.Tensor | None:
-    """(α, β) per head and frequency (H, d/2, 2) of the position-free (NoPE) terms, or None for
-    (1, 0), the terms unrotated (their rotation dropped: right at distance 0). mode fit: the
-    calibration's attention-weighted least-squares fit (`layer_stats.rotation_fit`, from
-    `rotation_fit_observer`; None without one); drop: (0, 0); expected: (E[cos θ_j Δ], 0) over Δ
-    uniform in [0, span). Measured on a dev text: bench/vllm_variants.py."""
+    """`attention_tensors`' stand_in (H, 2, d/2, 2) for the position-free (NoPE) terms, or None
+    for the terms unrotated (their rotation dropped: right at distance 0). mode fit: the
+    calibration's fit (`layer_stats.rotation_fit`, from `rotation_fit_observer`; None without
+    one); drop: (α, β) = (0, 0); expected: (E[cos θ_j Δ], 0) over Δ uniform in [0, span); nothing
+    added to the rotary query but with fit. Measured on a dev text: bench/vllm_variants.py."""
     if mode == "fit":
         return getattr(layer_stats, "rotation_fit", None)
     if mode == "nope":
@@ -272,12 +281,14 @@ def position_free_stand_in(
         alpha = torch.cos(inv_freq[:, None] * torch.arange(span, dtype=torch.float64)[None, :]).mean(1)
     else:
         raise ValueError(f"unknown stand-in {mode!r}; use one of {STAND_INS}")
-    return torch.stack([alpha, torch.zeros_like(alpha)], dim=-1).expand(n_heads, -1, -1)
+    stand_in = torch.zeros(n_heads, 2, head_dim // 2, 2, dtype=torch.float64)
+    stand_in[:, 0, :, 0] = alpha
+    return stand_in
 
 
 def rotation_fit_observer(source, spec: AttentionSpec, config, samples: int = SAMPLES):
     """A `convert.compress.calibrate` observer that stores each layer's fitted stand-in for the
-    dropped rotations (`convert.targets.nope_fit`) in its stats' `rotation_fit` (H, d/2, 2):
+    dropped rotations (`convert.targets.nope_fit`) in its stats' `rotation_fit` (H, 2, d/2, 2):
     the layer's rotary directions from the moment just gathered, `samples` keys per query drawn
     from the original's attention probabilities (seeded by the layer index: the same every run).
     source: the in-memory source of `resolve_vllm_spec`."""
@@ -299,9 +310,10 @@ def rotation_fit_observer(source, spec: AttentionSpec, config, samples: int = SA
             q = attention.q_proj(window).view(L, H, d)  # pre-RoPE queries
             k = attention.k_proj(window).view(1, L, G, d)  # pre-RoPE keys
             remainder = key_remainder(k, rotations[:, 0, :])[0][:, groups]  # (L, H, d): each head's group's
+            mixture = rotary_mixture(k, rotations[:, 0, :])[0]  # (L, d): what k_pe holds
             probs = attention_probabilities(attention, window, rotary, None if mask is None else mask[:1])
             keys = sample_keys(probs[0].cpu(), samples, generator)  # (H, L, S)
-            window_gram, window_rhs = fit_normal_equations(q.cpu(), remainder.cpu(), keys, inv_freq)
+            window_gram, window_rhs = fit_normal_equations(q.cpu(), remainder.cpu(), mixture.cpu(), keys, inv_freq)
             gram, rhs = gram + window_gram, rhs + window_rhs
         layer_stats.rotation_fit = fit_rotation_stand_in(gram, rhs)
 
