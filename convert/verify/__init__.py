@@ -27,7 +27,6 @@ from convert.plan import (
     largest_layer_bytes,
     memory_bound_bytes,
     one_model_memory_bytes,
-    whole_model_activation_bytes,
     whole_model_memory_bytes,
 )
 from convert.text import model_tokenizer, text_token_ids
@@ -287,12 +286,10 @@ def _one_model_fits(orig, conv, device: torch.device, dtype: torch.dtype) -> tup
     )
 
 
-def _fits(orig, device: torch.device, dtype: torch.dtype, tokens=None, vocab=None) -> tuple[bool, str]:
+def _fits(orig, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
     """Whether both whole models fit where they will run, by the plan's estimate."""
     ckpt_dtype = orig.dtype(orig.keys()[0])
     needed = whole_model_memory_bytes(orig.total_bytes(), ckpt_dtype, dtype)
-    if tokens is not None and vocab is not None:
-        needed += whole_model_activation_bytes(tokens, vocab)
     available = available_memory_bytes(device)
     return needed < available, f"needs ~{needed / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available"
 
