@@ -435,13 +435,20 @@ def _export_transformers(src: Path, source: Checkpoint, output: Path, opts: Conv
 def _export_vllm(src: Path, source: Checkpoint, output: Path, opts: ConvertOptions, start: float):
     """`--target vllm`: a DeepseekV3ForCausalLM in vLLM's MLA shape (convert.targets.vllm); calibrated
     on --calib when there is more than one key/value head. Every refusal comes before calibration."""
-    from convert.targets.vllm import check_vllm_exportable, resolve_vllm_spec, rotation_fit_observer, to_vllm_deepseek
+    from convert.targets.vllm import (
+        check_vllm_exportable,
+        needs_calibration,
+        needs_compression,
+        resolve_vllm_spec,
+        rotation_fit_observer,
+        to_vllm_deepseek,
+    )
 
     source_spec = resolve_spec(source, source.config, opts)  # the same checks and refusals as the mla target
     state_dict = {name: source.get(name) for name in source.keys()}
     config, src_view, spec = resolve_vllm_spec(state_dict, source.config or {})
     dtype = src_view.dtype(spec.tensor(0, "q"))
-    check_vllm_exportable(config, spec, src_view, dtype, opts.calib is not None or spec.n_kv_heads == 1)
+    check_vllm_exportable(config, spec, src_view, dtype, opts.calib is not None or not needs_calibration(spec, config))
     stats = None
     if opts.calib is not None:
         ids = opts.calib
@@ -449,8 +456,14 @@ def _export_vllm(src: Path, source: Checkpoint, output: Path, opts: ConvertOptio
             ids = text_token_ids(Path(opts.calib), source.root, config["vocab_size"], opts.calib_tokens, what="--calib")
         ids = ids[:, : opts.calib_tokens]
         bar = _bar("calibrating", "layer", opts.progress)
-        observe = rotation_fit_observer(src_view, spec, config) if spec.n_kv_heads > 1 else None
+        observe = rotation_fit_observer(src_view, spec, config) if needs_calibration(spec, config) else None
         stats = compress.calibrate(source, config, ids, spec.n_layers, progress=bar, observe=observe)
+        if needs_compression(spec, config["hidden_size"]):  # the latent is compressed: weigh it in loss units
+            fisher = compress.fisher_calibrate_streamed(
+                source, config, ids, spec.n_layers, progress=_bar("fisher statistics", "layer", opts.progress)
+            )
+            for layer_stats, layer_fisher in zip(stats, fisher):
+                layer_stats.key_fisher, layer_stats.value_fisher = layer_fisher.key_fisher, layer_fisher.value_fisher
     tensors, config = to_vllm_deepseek(state_dict, config, stats)
     info = config["convert_export"]
     notes = [vllm_note(info)]
@@ -467,19 +480,32 @@ def vllm_note(info: dict) -> str:
         f"cache ({gqa} = 2·{G}·{d}); the saving comes at 7B+ (Llama-3-8B: 2048 -> 576). "
     )
     if info["exact"]:
-        return text + "Exact: one key/value head fits vLLM's 64 shared rotary dims."
+        return text + "Exact: one key/value head of head_dim 64 fits vLLM's 64 shared rotary dims."
     kept = [e for e in info["rotary_key_energy_kept"] if e is not None]
-    share = f" (they carry {100 * sum(kept) / len(kept):.1f}% of the query-weighted key energy)" if kept else ""
+    share = f" (they carry {100 * sum(kept) / len(kept):.1f}% of the key energy)" if kept else ""
     stand_in = {
         "fit": " and replaced by fixed 2x2 maps per head and frequency, on those terms and on the rotary query, "
         "fitted on the calibration text (least squares on key samples drawn from the attention)",
         "nope": " (the terms kept unrotated)",
     }.get(info.get("position_free_terms"), f" (stand-in: {info.get('position_free_terms')})")
+    f = info.get("frequency_fold", 1)
+    components = f"{G} key heads' rotary pairs" if f == 1 else f"{G} key heads' {f} folded frequency pairs"
+    folded = (
+        f"; head_dim {d} folds {f} source frequencies into each of vLLM's 32 (the others turn at the slot's)"
+        if f > 1
+        else ""
+    )
+    latent = ""
+    if info.get("latent_compressed"):
+        latent = (
+            f" The latent is COMPRESSED: the position-free keys and values need {info['latent_content_dims']} dims, "
+            f"vLLM holds {info['latent_dims_used']} ({info['latent_weighting']}-weighted factorization)."
+        )
     return text + (
-        f"LOSSY: vLLM rotates only 64 key dims shared by all heads, one frequency set; of the {G} key heads' "
-        f"rotary pairs per frequency the principal mixture stays rotary{share}, the other {G - 1} become "
-        f"position-free (NoPE) dims in the latent, their rotation dropped{stand_in}. Compare with "
-        "transformers' DeepseekV3 after convert.targets.vllm.match_vllm_norms(model)."
+        f"LOSSY: vLLM rotates only 64 key dims shared by all heads, one frequency set{folded}; of the {components} "
+        f"per rotary slot the principal mixture stays rotary{share}, the other {G * f - 1} become position-free "
+        f"(NoPE) dims in the latent, their rotation dropped{stand_in}.{latent} Compare with transformers' "
+        "DeepseekV3 after convert.targets.vllm.match_vllm_norms(model)."
     )
 
 

@@ -5,6 +5,8 @@ latent norm's eps set to the config's as vLLM reads it (`match_vllm_norms`), aga
 source's own transformers model on the same ids.
 """
 
+import json
+
 import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -51,8 +53,8 @@ def exported_model_from(state: dict, config, stats=None, **kwargs):
     return deepseek, tensors, config, export
 
 
-def rel_error(model, deepseek) -> float:
-    ids = torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(1))
+def rel_error(model, deepseek, length: int = 48, seed: int = 1) -> float:
+    ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         want, got = model(ids).logits, deepseek(ids).logits
     return float((got - want).norm() / want.norm())
@@ -146,10 +148,145 @@ def test_api_writes_a_report_that_says_where_it_is_lossy(tmp_path):
     assert not (tmp_path / "out2").exists()
 
 
+# ------------------------------------------------------------------ head_dim 128 (folded frequencies) and the latent
+
+
+def silence_odd_pairs(model, n_kv_heads: int, head_dim: int = 128) -> None:
+    """Zero the keys of every odd frequency pair 2s + 1 (rows 2s+1 and 2s+1 + d/2 of each head)."""
+    half = head_dim // 2
+    odd = torch.arange(1, half, 2)
+    rows = torch.cat([g * head_dim + torch.cat([odd, odd + half]) for g in range(n_kv_heads)])
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight[rows] = 0.0
+
+
+def test_folded_frequencies_are_exact_when_the_folded_pairs_are_silent():
+    """d = 128: vLLM's slot s turns at θ_{2s}; with the keys of every pair 2s + 1 zero the rotary
+    key holds pair 2s exactly and nothing is left position-free."""
+    model = tiny_llama(1, head_dim=128)
+    silence_odd_pairs(model, 1)
+    deepseek, _, config, export = exported_model(model, identity_stats())
+    assert config["qk_nope_head_dim"] == 128 and config["v_head_dim"] == 128 and config["qk_rope_head_dim"] == 64
+    assert export["frequency_fold"] == 2 and not export["exact"]  # lossy in general, exact on these weights
+    assert rel_error(model, deepseek) < 1e-5
+
+
+def test_folded_frequencies_are_lossy_and_bounded():
+    model = tiny_llama(2, head_dim=128)
+    deepseek, _, _, export = exported_model(model, identity_stats())
+    assert 1e-5 < rel_error(model, deepseek) < 0.2
+    assert all(0 < e < 1 for e in export["rotary_key_energy_kept"])
+    with pytest.raises(ConvertError, match="calib"):  # one key head, but two pairs per rotary slot
+        to_vllm_deepseek(tiny_llama(1, head_dim=128).state_dict(), tiny_llama(1, head_dim=128).config)
+
+
+def test_the_latent_is_exact_while_it_fits_and_compressed_below():
+    """G = 3, d = 64: the remainders and values need 320 dims, min(320, D = 192) here. At that
+    rank the export equals the one with vLLM's whole 512; below it the latent is compressed,
+    and its error shrinks as the rank grows."""
+    model = tiny_llama(3)
+    full, *_ = exported_model(model, identity_stats())
+    ids = torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = full(ids).logits
+    errors = []
+    for rank in (48, 96, 144, HIDDEN):
+        deepseek, tensors, _, export = exported_model(model, identity_stats(), rank=rank)
+        assert export["latent_compressed"] == (rank < HIDDEN) and export["latent_dims_used"] == rank
+        assert tensors["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"][rank:512].abs().max() == 0
+        with torch.no_grad():
+            errors.append(float((deepseek(ids).logits - want).norm() / want.norm()))
+    assert errors[-1] < 1e-6 and errors[0] > errors[1] > errors[2] > 1e-4, errors
+
+
+def test_an_8b_shaped_source_is_compressed_into_the_latent_through_the_api(tmp_path):
+    """Llama-3-8B's attention (G = 8 key heads of d = 128, llama3 RoPE; 16 query heads here,
+    D = 1024): 1,984 latent dims needed, 512 held. The API calibrates with Fisher statistics,
+    compresses the latent, writes DeepSeek-YaRN, and the report says so."""
+    import convert
+
+    torch.manual_seed(8)
+    config = LlamaConfig(
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        num_hidden_layers=2,
+        vocab_size=VOCAB,
+        intermediate_size=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+        rope_parameters=LLAMA3_ROPE | {"original_max_position_embeddings": 8192, "rope_theta": 500000.0},
+    )
+    LlamaForCausalLM(config).eval().save_pretrained(tmp_path / "src")
+    calib = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(2))
+    result = convert.gqa2mla(
+        tmp_path / "src", tmp_path / "out", target="vllm", calib=calib, max_ppl_ratio=100.0, tokens=64, progress=False
+    )
+    written = json.loads((result.output / "config.json").read_text())
+    assert written["rope_parameters"]["rope_type"] == "yarn"
+    exported = written["convert_export"]
+    assert exported["latent_compressed"] and exported["latent_weighting"] == "fisher"
+    assert exported["latent_content_dims"] == 64 * 15 + 1024 and exported["latent_dims_used"] == 512
+    target = result.report["target"]
+    assert target["cache_values_per_token_per_layer"] == 576 and target["gqa_cache_values_per_token_per_layer"] == 2048
+    assert "COMPRESSED" in target["note"] and "smaller than" in target["note"] and "folds 2" in target["note"]
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,  # short, so that a 96-token text sees the scaled frequencies
+    "rope_theta": 10000.0,
+}
+
+
+def calibrated_stats(model, tmp_path, tokens: int = 96) -> list:
+    """`calibrate` with the vllm target's rotation-fit observer, on random ids, as the API runs it."""
+    from convert.compress.calibrate import calibrate
+    from convert.io import open_checkpoint
+    from convert.targets.vllm import resolve_vllm_spec, rotation_fit_observer
+
+    model.save_pretrained(tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    ids = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(7))
+    with open_checkpoint(tmp_path / "src") as checkpoint:
+        _, source, spec = resolve_vllm_spec(model.state_dict(), config)
+        return calibrate(checkpoint, config, ids, LAYERS, observe=rotation_fit_observer(source, spec, config))
+
+
+def test_llama3_rope_is_served_as_deepseek_yarn_and_fitted(tmp_path):
+    """Llama-3's RoPE (frequencies ÷ 8 at long wavelengths) has no vLLM DeepSeek form; the export
+    writes the DeepSeek-YaRN with the same factor and bounds (which vLLM computes as transformers
+    does), and the fit corrects where the two blend differently: one key head of d = 64, lossy
+    only by that, and the fitted export is closer to the original than the unfitted one on held-out
+    ids as long as the calibration's (the fit is to the distances the calibration saw)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    from convert.hf import hf_config
+    from convert.targets.vllm import rope_frequencies
+
+    model = tiny_llama(1, rope_parameters=LLAMA3_ROPE)
+    with pytest.raises(ConvertError, match="calib"):
+        to_vllm_deepseek(model.state_dict(), model.config)
+    stats = calibrated_stats(model, tmp_path)
+    fitted, _, config, export = exported_model(model, stats)
+    assert config["rope_parameters"]["rope_type"] == "yarn" and config["rope_parameters"]["factor"] == 8.0
+    assert export["source_rope_type"] == "llama3" and not export["exact"]
+    source_freq, slot_freq = rope_frequencies(hf_config(model.config.to_dict()), 64)
+    installed = DeepseekV3RotaryEmbedding(fitted.config).inv_freq.double()
+    assert torch.allclose(installed, slot_freq, rtol=1e-6) and not torch.allclose(source_freq, slot_freq, rtol=1e-3)
+    unfitted, *_ = exported_model(model, stats, stand_in="nope")
+    assert rel_error(model, fitted, 96, seed=11) < rel_error(model, unfitted, 96, seed=11) < 0.2
+
+
 # ------------------------------------------------------------------ the fitted stand-in for dropped rotations
 
 
-def _brute_force_equations(q, r, k0, keys, inv_freq):
+def _brute_force_equations(q, r, k0, keys, inv_freq, rotary_freq=None, base=None):
     """`fit_normal_equations` pair by pair, as its docstring defines them."""
     L, H, d = q.shape
     half = d // 2
@@ -167,14 +304,19 @@ def _brute_force_equations(q, r, k0, keys, inv_freq):
         for m in range(L):
             for n in keys[h, m].tolist():
                 phi = inv_freq.double() * (m - n)
+                phi_rot = phi if rotary_freq is None else rotary_freq.double() * (m - n)
                 t = (q[m, h] * rotated(r[n, h], phi)).sum()  # q·R(-φ)r over every pair
-                f = torch.cat([dot_cross(q[m, h], r[n, h]), dot_cross(q[m, h], rotated(k0[n], phi))])  # (2d,)
+                if base is not None:  # what turning k0 at φ' instead of φ misses, for the base coefficients
+                    miss = q[m, h] * (rotated(k0[n], phi) - rotated(k0[n], phi_rot))  # (d,)
+                    t = t + (base[h].double().repeat(2) * miss).sum()
+                f = torch.cat([dot_cross(q[m, h], r[n, h]), dot_cross(q[m, h], rotated(k0[n], phi_rot))])  # (2d,)
                 gram[h] += torch.outer(f, f)
                 rhs[h] += f * t
     return gram, rhs
 
 
-def test_normal_equations_equal_the_sums_over_the_drawn_pairs():
+@pytest.mark.parametrize("folded", [False, True])
+def test_normal_equations_equal_the_sums_over_the_drawn_pairs(folded):
     from convert.targets.nope_fit import fit_normal_equations, sample_keys
 
     g = torch.Generator().manual_seed(0)
@@ -184,8 +326,11 @@ def test_normal_equations_equal_the_sums_over_the_drawn_pairs():
     keys = sample_keys(probs, 5, torch.Generator().manual_seed(1))  # (H, L, 5)
     assert (keys <= torch.arange(L)[None, :, None]).all()  # causal: only keys the query attends
     inv_freq = 10.0 ** -torch.linspace(0, 2, d // 2)
-    got = fit_normal_equations(q, r, k0, keys, inv_freq)
-    want = _brute_force_equations(q, r, k0, keys, inv_freq)
+    fold = ()
+    if folded:  # two pairs per slot: pair 2s + 1 turns at θ_{2s}
+        fold = (inv_freq.reshape(-1, 2)[:, :1].expand(-1, 2).reshape(-1), torch.randn(H, d // 2, generator=g))
+    got = fit_normal_equations(q, r, k0, keys, inv_freq, *fold)
+    want = _brute_force_equations(q, r, k0, keys, inv_freq, *fold)
     for g_, w_ in zip(got, want):
         assert torch.allclose(g_, w_, rtol=1e-10, atol=1e-10)
 
@@ -251,6 +396,26 @@ def test_key_remainder_removes_the_rotary_mixture():
     removed = pairs - rest  # = u_j (u_jᵀ k): along u_j over the groups
     along = torch.einsum("blgph,hg->blph", pairs, u)
     assert torch.allclose(removed, u.T[None, None, :, None, :] * along[:, :, None], atol=1e-12)
+
+
+@pytest.mark.parametrize("fold", [1, 2])
+def test_rotary_key_and_remainder_add_up_to_each_heads_key(fold):
+    """At Δ = 0 nothing turns: the rotary query (its coefficients u_s[g(h)·f + i]) against the rotary
+    key of each pair's slot, plus the query against the remainder, is q·k of the head's group."""
+    from convert.targets.nope_fit import key_remainder, per_pair, rotary_coefficients, rotary_mixture
+
+    g = torch.Generator().manual_seed(4)
+    L, G, H, d = 5, 2, 4, 8 * fold
+    k = torch.randn(1, L, G, d, dtype=torch.float64, generator=g)
+    q = torch.randn(L, H, d, dtype=torch.float64, generator=g)
+    u = torch.nn.functional.normalize(torch.randn(4, G * fold, dtype=torch.float64, generator=g), dim=-1)
+    groups = torch.arange(H) // (H // G)
+    r = key_remainder(k, u)[0]  # (L, G, d)
+    assert rotary_mixture(r[None], u).abs().max() < 1e-12  # nothing of u_s left
+    k0 = per_pair(rotary_mixture(k, u)[0], fold)  # (L, d)
+    base = rotary_coefficients(u, groups, G).repeat(1, 2)  # (H, d): both halves of each pair
+    got = (q * base * k0[:, None]).sum(-1) + (q * r[:, groups]).sum(-1)  # (L, H)
+    assert torch.allclose(got, (q * k[0][:, groups]).sum(-1), atol=1e-12)
 
 
 def test_attention_probabilities_are_the_modules_own():

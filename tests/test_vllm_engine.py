@@ -25,23 +25,37 @@ PROMPT, NEW = 8, 32
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON, reason="CONVERT_VLLM_PYTHON (a vLLM venv's python) not set")
 
 
-def test_vllm_serves_the_export_as_transformers_computes_it(tmp_path):
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+@pytest.mark.parametrize(
+    "hidden, n_heads, n_kv_heads, head_dim, rope",
+    [
+        (192, 6, 3, 64, None),  # SmolLM2's attention shape
+        (1024, 16, 8, 128, None),  # Mistral-7B's: folded frequencies, a compressed latent
+        (192, 6, 3, 64, LLAMA3 | {"original_max_position_embeddings": 64, "rope_theta": 10000.0}),  # as DeepSeek-YaRN
+    ],
+)
+def test_vllm_serves_the_export_as_transformers_computes_it(tmp_path, hidden, n_heads, n_kv_heads, head_dim, rope):
     torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=192,
-        num_attention_heads=6,
-        num_key_value_heads=3,
-        head_dim=64,
+        hidden_size=hidden,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        head_dim=head_dim,
         num_hidden_layers=2,
         vocab_size=256,
         intermediate_size=128,
         tie_word_embeddings=True,
         max_position_embeddings=512,
+        **({"rope_parameters": rope} if rope else {}),
     )
     LlamaForCausalLM(config).eval().save_pretrained(tmp_path / "src")
     calib = torch.randint(0, 256, (1, 128))
     out = tmp_path / "out"
     convert.gqa2mla(tmp_path / "src", out, target="vllm", calib=calib, verify=False, progress=False)
+    exported = json.loads((out / "config.json").read_text())["convert_export"]
+    assert exported["latent_compressed"] == (head_dim == 128)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (60, 33)]
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"prompts": prompts, "max_model_len": 256, "greedy_new_tokens": NEW}))

@@ -38,18 +38,30 @@ def sample_keys(probs: torch.Tensor, samples: int, generator: torch.Generator) -
 
 
 def fit_normal_equations(
-    q: torch.Tensor, r: torch.Tensor, k0: torch.Tensor, keys: torch.Tensor, inv_freq: torch.Tensor
+    q: torch.Tensor,
+    r: torch.Tensor,
+    k0: torch.Tensor,
+    keys: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rotary_freq: torch.Tensor | None = None,
+    base: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The least-squares normal equations of the stand-in on the pairs (m, keys[h, m, s]):
     gram (H, 2d, 2d), rhs (H, 2d) float64, over the features [q_j·r_j | q_j×r_j] (position-free)
-    and [q_j·R(-θ_jΔ)k0_j | q_j×R(-θ_jΔ)k0_j] (the rotary mixture, rotated as vLLM rotates it).
+    and [q_j·R(-θ'_jΔ)k0_j | q_j×R(-θ'_jΔ)k0_j] (the rotary key, rotated as vLLM rotates it).
 
     q: (L, H, d) one window's pre-RoPE queries (rotate_half halves: pair j is (j, j + d/2));
-    r: (L, H, d) each head's key remainder; k0: (L, d) the rotary mixture (`rotary_mixture`);
-    keys: (H, L, S) from `sample_keys`; inv_freq: (d/2,). Equations of several windows add up.
+    r: (L, H, d) each head's key remainder; k0: (L, d) the rotary key each pair's query meets
+    (`rotary_mixture`, its slots repeated over the pairs folded into them); keys: (H, L, S) from
+    `sample_keys`; inv_freq: (d/2,) the source's θ_j. Folded frequencies (head_dim > 64):
+    rotary_freq (d/2,) the θ'_j vLLM turns pair j's rotary key by, and base (H, d/2) the rotary
+    query's own coefficient u_j of each pair; the target then also carries what the rotary
+    part misses by turning at θ'_j, Σ_j base_j q_j·(R(-θ_jΔ) - R(-θ'_jΔ)) k0_j. Default θ' = θ
+    (that term is zero). Equations of several windows add up.
     """
     L, H, d = q.shape
     half = d // 2
+    folded = rotary_freq is not None and not torch.equal(rotary_freq.double(), inv_freq.double())
     gram = torch.zeros(H, 2 * d, 2 * d, dtype=torch.float64)
     rhs = torch.zeros(H, 2 * d, dtype=torch.float64)
     m = torch.arange(L)[:, None]  # (L, 1)
@@ -58,12 +70,24 @@ def fit_normal_equations(
         qh, rh, kh = q[:, h].double(), r[n, h].double(), k0[n].double()  # (L, d), (L, S, d), (L, S, d)
         a, b = qh[:, None, :half], qh[:, None, half:]  # (L, 1, d/2)
         x, y = rh[..., :half], rh[..., half:]  # (L, S, d/2)
-        angle = (m - n)[..., None].double() * inv_freq.double()  # (L, S, d/2)
+        delta = (m - n)[..., None].double()  # (L, S, 1)
+        angle = delta * inv_freq.double()  # (L, S, d/2)
         cos, sin = angle.cos(), angle.sin()
         dot, cross = a * x + b * y, a * y - b * x  # (L, S, d/2)
         target = (cos * dot + sin * cross).sum(-1)  # (L, S): q·R(-θΔ)r over all j
-        x0, y0 = cos * kh[..., :half] + sin * kh[..., half:], cos * kh[..., half:] - sin * kh[..., :half]  # R(-θΔ)k0
-        features = torch.cat([dot, cross, a * x0 + b * y0, a * y0 - b * x0], dim=-1).reshape(-1, 2 * d)  # (L·S, 2d)
+        x0, y0 = kh[..., :half], kh[..., half:]
+        if folded:
+            angle_rot = delta * rotary_freq.double()  # (L, S, d/2)
+            cos_rot, sin_rot = angle_rot.cos(), angle_rot.sin()
+            exact = (cos * (a * x0 + b * y0) + sin * (a * y0 - b * x0)) * base[h].double()  # at θ
+            target = target + exact.sum(-1)
+        else:
+            cos_rot, sin_rot = cos, sin
+        x0, y0 = cos_rot * x0 + sin_rot * y0, cos_rot * y0 - sin_rot * x0  # R(-θ'Δ)k0
+        rot_dot, rot_cross = a * x0 + b * y0, a * y0 - b * x0  # (L, S, d/2)
+        if folded:
+            target = target - (rot_dot * base[h].double()).sum(-1)  # what vLLM's rotary part gives
+        features = torch.cat([dot, cross, rot_dot, rot_cross], dim=-1).reshape(-1, 2 * d)  # (L·S, 2d)
         gram[h] = features.T @ features
         rhs[h] = features.T @ target.reshape(-1)
     return gram, rhs
@@ -84,21 +108,50 @@ def fit_rotation_stand_in(gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor
     return coef.reshape(H, 2, 2, half).transpose(-1, -2)  # (H, 2, d/2, 2)
 
 
-def rotary_mixture(k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The keys' rotary mixture k0_j = Σ_g u_j[g] k_g[pair j], (B, L, d) (first | second halves),
-    for keys k (B, L, G, d) and unit rows u (d/2, G)."""
+def _slots(k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """keys k (B, L, G, d) as (B, L, 2, slots, G·f): per rotary slot s its G·f components
+    (group g, folded pair s·f + i) at index g·f + i, for unit rows u (slots, G·f)."""
     B, L, G, d = k.shape
-    pairs = k.reshape(B, L, G, 2, d // 2)  # (first, second) halves of each pair
-    return torch.einsum("blgph,hg->blph", pairs, u.to(k.dtype)).reshape(B, L, d)
+    slots = u.shape[0]
+    fold = d // 2 // slots
+    pairs = k.reshape(B, L, G, 2, slots, fold)  # pair p = s·f + i; (first, second) halves
+    return pairs.permute(0, 1, 3, 4, 2, 5).reshape(B, L, 2, slots, G * fold)
+
+
+def rotary_mixture(k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The keys' rotary key k0_s = Σ_c u_s[c] k_c over slot s's components c = (group g, folded
+    pair s·f + i), (B, L, 2·slots) (first | second halves), for keys k (B, L, G, d) and unit rows
+    u (slots, G·f), f = d / (2·slots) (f = 1: u_j over the groups of pair j)."""
+    B, L = k.shape[:2]
+    return torch.einsum("blpsc,sc->blps", _slots(k, u), u.to(k.dtype)).reshape(B, L, -1)
 
 
 def key_remainder(k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """What of the keys k (B, L, G, d) stays position-free: per frequency j, minus the rotary
-    mixture's share, r = (I - u_j u_jᵀ) k over the group index. u: (d/2, G) unit rows."""
+    """What of the keys k (B, L, G, d) stays position-free: per rotary slot s, minus the rotary
+    key's share, r = (I - u_s u_sᵀ) k over the slot's components. u: (slots, G·f) unit rows."""
     B, L, G, d = k.shape
-    pairs = k.reshape(B, L, G, 2, d // 2)
-    along = rotary_mixture(k, u).reshape(B, L, 1, 2, d // 2)  # u_jᵀk
-    return (pairs - u.T.to(k.dtype)[None, None, :, None, :] * along).reshape(B, L, G, d)
+    slots = u.shape[0]
+    fold = d // 2 // slots
+    pairs = k.reshape(B, L, G, 2, slots, fold)
+    along = rotary_mixture(k, u).reshape(B, L, 1, 2, slots, 1)  # u_sᵀk
+    share = u.to(k.dtype).reshape(slots, G, fold).permute(1, 0, 2)[None, None, :, None]  # (1, 1, G, 1, slots, f)
+    return (pairs - share * along).reshape(B, L, G, d)
+
+
+def per_pair(rotary: torch.Tensor, fold: int) -> torch.Tensor:
+    """A rotary key (..., 2·slots) (first | second halves) as the (..., d) each query pair meets:
+    slot s repeated over its f folded pairs s·f + i."""
+    first, second = rotary.chunk(2, dim=-1)
+    return torch.cat([first.repeat_interleave(fold, -1), second.repeat_interleave(fold, -1)], dim=-1)
+
+
+def rotary_coefficients(u: torch.Tensor, groups: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """(H, d/2): head h's coefficient u_s[g(h)·f + i] of pair s·f + i in its rotary query, for
+    unit rows u (slots, G·f) and each head's group `groups` (H,)."""
+    slots, comps = u.shape
+    fold = comps // n_kv_heads
+    per_group = u.reshape(slots, n_kv_heads, fold)[:, groups]  # (slots, H, f)
+    return per_group.permute(1, 0, 2).reshape(len(groups), slots * fold)
 
 
 def attention_probabilities(attention: torch.nn.Module, x: torch.Tensor, rotary, mask) -> torch.Tensor:

@@ -3,30 +3,34 @@
 vLLM's MLA takes `kv_lora_rank` 512 + `qk_rope_head_dim` 64 (576 cached values per token
 per layer), one `k_pe` of 64 rotary dims shared by every head, interleaved RoPE with one
 frequency set, no attention biases. Per layer, with H query heads, G key/value groups,
-head dim d = 64, hidden D, nope = max((G-1)·d, d):
+head dim d = 64·f, hidden D:
 
-  q_proj              (H·(nope+64), D)  head h: [q_nope | q_pe], × the softmax-scale ratio c
-  kv_a_proj_with_mqa  (512 + 64, D)     [latent: k_nope ((G-1)·d) | v (G·d) | 0 ; k_pe (64)]
+  q_proj              (H·(d+64), D)     head h: [q_nope (d) | q_pe (64)], × the softmax-scale ratio c
+  kv_a_proj_with_mqa  (512 + 64, D)     [latent: down (r) | 0 ; k_pe (64)]
   kv_a_layernorm      (512,)            2^20 (the norm is linear, see below)
-  kv_b_proj           (H·(nope+d), 512) per head [k_nope: identity | v: group g(h)'s d dims]
+  kv_b_proj           (H·2d, 512)       head h: [its group's position-free key (d) | its group's value (d)]
   o_proj              (D, H·d)          W^O × s
 
-- RoPE across groups (RoRoPE, as TransMLA): for frequency j the G key heads' pairs
-  (k_g[j], k_g[j+d/2]) can be mixed by any orthogonal G×G matrix U_j (the same for both
-  components): rotation acts on the pair, U_j on the group index, so they commute, and
-  q_h·R k_{g(h)} = Σ_c U_j[c, g(h)] q_h·R k'_c. Component c = 0 goes to the shared
-  `k_pe` (the query head's `q_pe` = U_j[0, g(h)] q_h); components c ≥ 1 become NoPE dims of
-  the latent, their rotation dropped. U_j's first row minimizes the query-weighted score
-  energy that loses its rotation, on the calibration text (`rotary_direction`). Exact for
-  G = 1, and for key heads that are multiples of one another.
+- RoPE across groups (RoRoPE, as TransMLA) and folded frequencies (FreqFold): vLLM's slot s
+  turns at the source's θ_{s·f}; its G·f components are the G key heads' pairs s·f + i, i < f
+  (f = 1 for d = 64, 2 for d = 128). The rotary key k_pe's slot s is one unit mixture
+  u_sᵀk of them (`rotary_directions`, chosen on the calibration text to keep the most
+  query-weighted score energy); head h's q_pe gets the coefficient u_s[g(h)·f + i] of each of
+  its pairs. For f = 1 rotation commutes with the mixing (exact for G = 1); a folded pair
+  i > 0 turns at θ_{s·f} instead of its own θ_{s·f+i}. What is left of each key,
+  r = k − u u_sᵀk, loses its rotation: it is position-free, in the latent.
 - In place of the dropped rotation R(-θ_j Δ), head h's NoPE query carries a fixed 2×2
-  stand-in [[α_j, β_j], [-β_j, α_j]] per frequency, and its rotary query gains a map of the
-  same form on its own pairs (the rotary key carries what of the remainder is correlated with
-  it), all of a head's fitted together to its position-free score on the calibration text, by
-  least squares over (query, key) pairs drawn from the original's attention probabilities
-  (`convert.targets.nope_fit`, gathered in the calibration pass by `rotation_fit_observer`);
-  without calibration the terms stay unrotated. SmolLM2 dev-text perplexity: ×1.05 fitted,
-  ×1.36 unrotated (bench/vllm_variants.py).
+  stand-in [[α_j, β_j], [-β_j, α_j]] per pair, and its rotary query gains a map of the same
+  form on its own pairs (the rotary key carries what of the remainder is correlated with it,
+  and what turning at a folded frequency misses), all of a head's fitted together to its
+  score on the calibration text, by least squares over (query, key) pairs drawn from the
+  original's attention probabilities (`convert.targets.nope_fit`, gathered in the calibration
+  pass by `rotation_fit_observer`); without calibration the terms stay unrotated. SmolLM2
+  dev-text perplexity: ×1.05 fitted, ×1.36 unrotated (bench/vllm_variants.py).
+- The latent: the G groups' remainders r (64·(G·f − 1) dims) and values (G·d) factored
+  together, down (r, D) and up (2·G·d, r) (`latent_factor`); exact while they fit in 512
+  (SmolLM2: 320), otherwise (7B+: Mistral-7B needs 1,984) compressed with the compression
+  module's weighted factorization (Fisher-weighted, in loss units, when the stats carry it).
 - The latent norm: `rms_norm_eps` = 2^40 makes RMSNorm of the O(1) latent linear (×2^-20,
   undone by its weight 2^20); the residual stream is scaled by s = sqrt(2^40 / eps_source)
   (embeddings, o_proj, down_proj × s), so every other norm sees exactly the source's eps and
@@ -34,8 +38,9 @@ head dim d = 64, hidden D, nope = max((G-1)·d, d):
   norm's eps to 1e-6: `match_vllm_norms(model)` sets it to the config's before comparing.
 
 Refused (ConvertError, before any work): attention biases (vLLM loads none), RoPE types
-other than `default` (vLLM rewrites them to DeepSeek-YaRN), head_dim ≠ 64, a latent above
-512, G > 1 without calibration statistics, float16 (the scaled residual overflows).
+other than `default` (vLLM rewrites them to DeepSeek-YaRN), head_dim not a multiple of 64,
+more than one key pair per rotary slot without calibration statistics, float16 (the scaled
+residual overflows).
 """
 
 import math
@@ -43,8 +48,11 @@ import math
 import torch
 
 from convert.arch import AttentionSpec
+from convert.compress.weights import _ridge
 from convert.errors import ConvertError
+from convert.linalg.factor import Factor
 from convert.linalg.heads import group_of_head
+from convert.linalg.weighted import psd_sqrt, weighted_factor
 from convert.source import StateDictSource, check_layer, read_layer
 from convert.targets.deepseek import (
     _as_dtype,
@@ -59,7 +67,9 @@ from convert.targets.nope_fit import (
     fit_normal_equations,
     fit_rotation_stand_in,
     key_remainder,
+    per_pair,
     rope_inv_freq,
+    rotary_coefficients,
     rotary_mixture,
     sample_keys,
 )
@@ -105,101 +115,148 @@ def rotary_direction(cov: torch.Tensor, weight: torch.Tensor, iterations: int = 
     return best
 
 
-def complete_basis(u: torch.Tensor) -> torch.Tensor:
-    """An orthogonal (G, G) whose first row is u (G,) (the other rows: any orthonormal complement)."""
-    G = u.shape[0]
-    q, _ = torch.linalg.qr(torch.cat([u[:, None], torch.eye(G, dtype=u.dtype)], dim=1))  # (G, G)
-    q = q[:, :G] * torch.sign(q[:, :1].T @ u)  # first column = u
-    return q.T
+def fold(head_dim: int) -> int:
+    """How many source frequency pairs share one of vLLM's 32 rotary slots: f = d / 64."""
+    return head_dim // ROPE_DIM
 
 
-def group_rotations(w: LayerWeights, spec: AttentionSpec, moment: torch.Tensor | None) -> torch.Tensor:
-    """U (d/2, G, G) float64, orthogonal per frequency: row 0 the rotary direction.
+def _slot_rows(spec: AttentionSpec, slot: int) -> tuple[list[int], list[int]]:
+    """Rows of slot s's components c = g·f + i (group g, pair s·f + i) in W^K (G·d, D): (first, second)."""
+    d, f = spec.head_dim, fold(spec.head_dim)
+    first, second = rotate_half_pairs(d)
+    pairs = [slot * f + i for g in range(spec.n_kv_heads) for i in range(f)]
+    offsets = [g * d for g in range(spec.n_kv_heads) for i in range(f)]
+    return [o + int(first[p]) for o, p in zip(offsets, pairs)], [o + int(second[p]) for o, p in zip(offsets, pairs)]
 
-    The key covariance of frequency j, C_j[g, g'] = tr(K_{g,j} M K_{g',j}ᵀ) (K_{g,j} the
-    pair's 2 rows of W^K, M = E[x xᵀ]), and the groups' query energy
-    w_g = Σ_{h∈g} tr(Q_{h,j} M Q_{h,j}ᵀ): `rotary_direction`.
+
+def rotary_directions(
+    w: LayerWeights, spec: AttentionSpec, moment: torch.Tensor | None
+) -> tuple[torch.Tensor, float | None]:
+    """(u (32, G·f) float64 unit rows, the fraction of the query-weighted key energy they keep).
+
+    Slot s of vLLM's 64 rotary dims turns at the source's θ_{s·f}; its G·f components are the
+    G key heads' pairs s·f + i (i < f, f = d/64: FreqFold for d = 128). Their covariance
+    C_s[c, c'] = tr(K_c M K_{c'}ᵀ) (K_c the component's 2 rows of W^K, M = E[x xᵀ]) and the
+    query energy w_c of the heads that read c: `rotary_direction`. One component: u = 1, exact.
     """
     G, d, H = spec.n_kv_heads, spec.head_dim, spec.n_heads
-    half = d // 2
-    if G == 1:
-        return torch.ones(half, 1, 1, dtype=torch.float64)
-    first, second = rotate_half_pairs(d)
-    k = w.k.double().reshape(G, d, -1)  # (G, d, D)
+    f = fold(d)
+    if G * f == 1:
+        return torch.ones(ROPE_DIM // 2, 1, dtype=torch.float64), 1.0
+    if moment is None:
+        return torch.eye(G * f, dtype=torch.float64)[:1].expand(ROPE_DIM // 2, -1).contiguous(), None
+    k = w.k.double()  # (G·d, D)
     q = w.q.double().reshape(H, d, -1)  # (H, d, D)
     groups = group_of_head(H, G, spec.head_map)  # (H,)
     M = moment.double()  # (D, D)
-    out = torch.empty(half, G, G, dtype=torch.float64)
-    for j in range(half):
-        kj = k[:, [int(first[j]), int(second[j])]]  # (G, 2, D)
-        qj = q[:, [int(first[j]), int(second[j])]]  # (H, 2, D)
-        cov = torch.einsum("gid,de,hie->gh", kj, M, kj)  # (G, G)
-        q_energy = torch.einsum("hid,de,hie->h", qj, M, qj)  # (H,)
-        weight = torch.zeros(G, dtype=torch.float64).index_add_(0, groups, q_energy)  # (G,)
-        out[j] = complete_basis(rotary_direction(cov, weight / weight.sum()))
-    return out
+    first, second = rotate_half_pairs(d)
+    pair_energy = torch.einsum("hpd,de,hpe->hp", q, M, q)  # (H, d): each query row's energy
+    pair_energy = pair_energy[:, first] + pair_energy[:, second]  # (H, d/2)
+    per_group = torch.zeros(G, d // 2, dtype=torch.float64).index_add_(0, groups, pair_energy)  # (G, d/2)
+    out = torch.empty(ROPE_DIM // 2, G * f, dtype=torch.float64)
+    kept = total = 0.0
+    for slot in range(ROPE_DIM // 2):
+        rows_first, rows_second = _slot_rows(spec, slot)
+        ks = torch.stack([k[rows_first], k[rows_second]], dim=1)  # (G·f, 2, D)
+        cov = torch.einsum("cid,de,bie->cb", ks, M, ks)  # (G·f, G·f)
+        weight = per_group[:, slot * f : (slot + 1) * f].reshape(G * f)  # (G·f,) component c = g·f + i
+        out[slot] = rotary_direction(cov, weight / weight.sum())
+        kept, total = kept + float(out[slot] @ cov @ out[slot]), total + float(cov.trace())
+    return out, kept / total
+
+
+def rotary_key_weights(w: LayerWeights, spec: AttentionSpec, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k0 (64, D): the rotary key's rows, first | second halves; r (G·d, D): W^K less its share
+    of the rotary key, in W^K's row layout) — `rotary_mixture`/`key_remainder` on the weights."""
+    G, d = spec.n_kv_heads, spec.head_dim
+    hidden = w.k.shape[1]
+    k = w.k.double().T.reshape(1, hidden, G, d)  # the weight's columns as (1, D, G, d) "keys"
+    k0 = rotary_mixture(k, u)[0].T  # (64, D)
+    r = key_remainder(k, u)[0].reshape(hidden, G * d).T  # (G·d, D)
+    return k0, r
+
+
+def latent_content_rank(spec: AttentionSpec) -> int:
+    """Dims the latent needs to hold the position-free keys and the values exactly:
+    64·(G·f − 1) remainder dims (each slot's components less its rotary key) + G·d values."""
+    return ROPE_DIM * (spec.n_kv_heads * fold(spec.head_dim) - 1) + spec.n_kv_heads * spec.head_dim
+
+
+def latent_factor(
+    remainder: torch.Tensor, value: torch.Tensor, spec: AttentionSpec, rank: int, layer_stats=None
+) -> tuple[Factor, bool]:
+    """The latent's down-projection and the keys' and values' up-projections: a factor of
+    [r; W^V] (2·G·d, D). (factor, compressed): exact (plain SVD at the content's rank) when
+    `latent_content_rank` fits in `rank`; otherwise the compression module's best rank-`rank`
+    factor (`weighted_factor`: M-whitened, rows weighted by the key and value Fisher
+    information when the stats carry it — loss units, so keys and values share the budget)."""
+    content = torch.cat([remainder, value.double()])  # (2·G·d, D)
+    need = min(latent_content_rank(spec), content.shape[1])
+    if need <= rank:
+        return weighted_factor(content, need), False
+    row_weight = None
+    if getattr(layer_stats, "key_fisher", None) is not None:
+        row_weight = torch.block_diag(
+            psd_sqrt(_ridge(layer_stats.key_fisher.double())), psd_sqrt(_ridge(layer_stats.value_fisher.double()))
+        )
+    moment = layer_stats.moment if layer_stats is not None else None
+    return weighted_factor(content, rank, row_weight=row_weight, moment=moment), True
 
 
 def attention_tensors(
     w: LayerWeights,
     spec: AttentionSpec,
-    rotations: torch.Tensor,
-    nope: int,
+    u: torch.Tensor,
     q_scale: float,
     s: float,
     stand_in: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """One layer's DeepseekV3Attention tensors (float64), by name relative to `self_attn.`.
+    rank: int = KV_LORA_RANK,
+    layer_stats=None,
+) -> tuple[dict[str, torch.Tensor], bool]:
+    """One layer's DeepseekV3Attention tensors (float64), by name relative to `self_attn.`, and
+    whether its latent is compressed (`latent_factor`).
 
-    stand_in (H, 2, d/2, 2): for head h and frequency j, [h, 0, j] the (α, β) of its position-free
-    (NoPE) terms, which stand in for the dropped rotation as q_hᵀ [[α, β], [-β, α]] r, and
-    [h, 1, j] the (α', β') of the map added to its rotary query (`convert.targets.nope_fit`);
-    default the terms unrotated, nothing added."""
+    u (32, G·f): the rotary directions (`rotary_directions`). stand_in (H, 2, d/2, 2): for head
+    h and pair j, [h, 0, j] the (α, β) of its position-free (NoPE) terms, which stand in for the
+    dropped rotation as q_hᵀ [[α, β], [-β, α]] r, and [h, 1, j] the (α', β') of the map added to
+    its rotary query (`convert.targets.nope_fit`); default the terms unrotated, nothing added.
+    rank: latent dims used (the rest of the 512 zero)."""
     G, d, H = spec.n_kv_heads, spec.head_dim, spec.n_heads
+    f = fold(d)
     first, second = rotate_half_pairs(d)
     hidden = w.q.shape[1]
     groups = group_of_head(H, G, spec.head_map)  # (H,)
-    k = w.k.double().reshape(G, d, hidden)  # (G, d, D)
     q = w.q.double().reshape(H, d, hidden)  # (H, d, D)
-    # mixed keys per frequency: k'_c[j] = Σ_g U_j[c, g] k_g[pair j]
-    k_first = torch.einsum("jcg,gjD->cjD", rotations, k[:, first])  # (G, d/2, D)
-    k_second = torch.einsum("jcg,gjD->cjD", rotations, k[:, second])  # (G, d/2, D)
-    coef = rotations[:, :, groups]  # (d/2, G, H): U_j[c, g(h)]
-    q_first = torch.einsum("jch,hjD->chjD", coef, q[:, first])  # (G, H, d/2, D)
-    q_second = torch.einsum("jch,hjD->chjD", coef, q[:, second])  # (G, H, d/2, D)
+    k0, remainder = rotary_key_weights(w, spec, u)  # (64, D), (G·d, D)
 
     if stand_in is None:
         stand_in = torch.zeros(H, 2, d // 2, 2, dtype=torch.float64)
         stand_in[:, 0, :, 0] = 1.0  # unrotated
-    alpha, beta = (stand_in[:, 0, :, i].double()[None, :, :, None] for i in (0, 1))  # (1, H, d/2, 1)
-    alpha_pe, beta_pe = (stand_in[:, 1, :, i].double()[:, :, None] for i in (0, 1))  # (H, d/2, 1)
+    alpha, beta, alpha_pe, beta_pe = (stand_in[:, i, :, j].double()[..., None] for i in (0, 1) for j in (0, 1))
+    base = rotary_coefficients(u, groups, G)[..., None]  # (H, d/2, 1)
     # a map [[α, β], [-β, α]] on the query side of qᵀ M k: Mᵀq = (α q1 - β q2, β q1 + α q2) for pair (q1, q2)
     q1, q2 = q[:, first], q[:, second]  # (H, d/2, D)
-    q_pe_first = q_first[0] + alpha_pe * q1 - beta_pe * q2  # (H, d/2, D)
-    q_pe_second = q_second[0] + beta_pe * q1 + alpha_pe * q2
-    k_pe = torch.stack([k_first[0], k_second[0]], dim=1).reshape(ROPE_DIM, hidden)  # interleaved (2j, 2j+1)
-    q_pe = torch.stack([q_pe_first, q_pe_second], dim=2).reshape(H, ROPE_DIM, hidden)  # (H, 64, D)
-    used = (G - 1) * d  # NoPE dims that carry something
-    k_nope = torch.cat([k_first[1:], k_second[1:]], dim=1).reshape(used, hidden)  # (used, D)
-    q_nope = torch.zeros(H, nope, hidden, dtype=torch.float64)
-    first_nope = alpha * q_first[1:] - beta * q_second[1:]  # (G-1, H, d/2, D)
-    second_nope = beta * q_first[1:] + alpha * q_second[1:]  # (G-1, H, d/2, D)
-    q_nope[:, :used] = torch.cat([first_nope, second_nope], dim=2).permute(1, 0, 2, 3).reshape(H, used, hidden)
+    pe_first = ((base + alpha_pe) * q1 - beta_pe * q2).reshape(H, ROPE_DIM // 2, f, hidden).sum(2)  # (H, 32, D)
+    pe_second = (beta_pe * q1 + (base + alpha_pe) * q2).reshape(H, ROPE_DIM // 2, f, hidden).sum(2)
+    q_pe = torch.stack([pe_first, pe_second], dim=2).reshape(H, ROPE_DIM, hidden)  # interleaved (2s, 2s+1)
+    k_pe = torch.stack([k0[: ROPE_DIM // 2], k0[ROPE_DIM // 2 :]], dim=1).reshape(ROPE_DIM, hidden)
+    q_nope = torch.cat([alpha * q1 - beta * q2, beta * q1 + alpha * q2], dim=1)  # (H, d, D), W^Q's row layout
 
+    factor, compressed = latent_factor(remainder, w.v, spec, rank, layer_stats)
+    used = factor.down.shape[0]
     latent = torch.zeros(KV_LORA_RANK, hidden, dtype=torch.float64)
-    latent[:used] = k_nope
-    latent[used : used + G * d] = w.v.double()  # (G·d, D)
-    kv_b = torch.zeros(H, nope + d, KV_LORA_RANK, dtype=torch.float64)
-    kv_b[:, torch.arange(used), torch.arange(used)] = 1.0
-    v_cols = used + groups[:, None] * d + torch.arange(d)[None, :]  # (H, d)
-    kv_b[torch.arange(H)[:, None], nope + torch.arange(d)[None, :], v_cols] = 1.0
-    return {
-        "q_proj.weight": (q_scale * torch.cat([q_nope, q_pe], dim=1)).reshape(H * (nope + ROPE_DIM), hidden),
+    latent[:used] = factor.down
+    up = torch.zeros(2, G, d, KV_LORA_RANK, dtype=torch.float64)
+    up[..., :used] = factor.up.reshape(2, G, d, used)  # [keys' remainder | values] per group
+    kv_b = torch.cat([up[0, groups], up[1, groups]], dim=1)  # (H, 2d, 512): head h reads its group's
+    tensors = {
+        "q_proj.weight": (q_scale * torch.cat([q_nope, q_pe], dim=1)).reshape(H * (d + ROPE_DIM), hidden),
         "kv_a_proj_with_mqa.weight": torch.cat([latent, k_pe]),  # (512 + 64, D)
         "kv_a_layernorm.weight": torch.full((KV_LORA_RANK,), math.sqrt(NORM_EPS), dtype=torch.float64),
-        "kv_b_proj.weight": kv_b.reshape(H * (nope + d), KV_LORA_RANK),
+        "kv_b_proj.weight": kv_b.reshape(H * 2 * d, KV_LORA_RANK),
         "o_proj.weight": s * w.o.double(),  # (D, H·d)
     }
+    return tensors, compressed
 
 
 # ------------------------------------------------------------------ refusals
@@ -220,38 +277,97 @@ def check_vllm_exportable(config: dict, spec: AttentionSpec, source, dtype: torc
             f"attention biases on {', '.join(p + '_proj' for p in biased)}: vLLM's DeepSeek-V3 loads no attention "
             "biases and would drop them silently; use --target transformers (exact, stock transformers) or mla"
         )
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type != "default":
+    rope_type = source_rope_type(config)
+    if rope_type not in ("default", "llama3"):
         raise ConvertError(
             f"config.json rope_type={rope_type!r}: vLLM rewrites any non-default RoPE of DeepSeek-V3 to "
-            "DeepSeek-YaRN and would rotate differently; use --target transformers or mla"
+            "DeepSeek-YaRN, which holds only default and llama3 RoPE sources; use --target transformers or mla"
         )
-    if spec.head_dim != ROPE_DIM:
+    if spec.head_dim % ROPE_DIM:
         raise ConvertError(
-            f"head_dim {spec.head_dim}: the vllm target needs head_dim {ROPE_DIM} (vLLM's 64 rotary dims hold one "
-            "frequency set of 32 pairs; folding d = 128 frequencies is not implemented); use --target transformers"
+            f"head_dim {spec.head_dim}: the vllm target needs a multiple of {ROPE_DIM} (vLLM's 64 rotary dims hold "
+            f"32 frequency pairs; d = 64·f folds f source pairs into each); use --target transformers or mla"
         )
-    latent = (spec.n_kv_heads - 1) * spec.head_dim + spec.n_kv_heads * spec.head_dim
-    if latent > KV_LORA_RANK:
+    if needs_calibration(spec, config) and not calibrated:
         raise ConvertError(
-            f"{spec.n_kv_heads} key/value heads need a latent of {latent} dims (NoPE keys + values), above vLLM's "
-            f"kv_lora_rank {KV_LORA_RANK}; compressing into it is not implemented: use --target mla with "
-            "--kv-cache-ratio"
+            f"{spec.n_kv_heads} key/value head(s) of head_dim {spec.head_dim}: the vllm target chooses which RoPE "
+            "directions to keep from calibration statistics; give --calib TEXT (a real text, not the --text one)"
         )
-    if spec.n_kv_heads > 1 and not calibrated:
-        raise ConvertError(
-            f"{spec.n_kv_heads} key/value heads: the vllm target chooses which RoPE directions to keep from "
-            "calibration statistics; give --calib TEXT (a real text, not the --text one)"
-        )
+
+
+def needs_calibration(spec: AttentionSpec, config: dict | None = None) -> bool:
+    """More than one key pair per rotary slot (G > 1 or d > 64), or a source RoPE vLLM turns at
+    other frequencies (llama3): the export is lossy and calibrated."""
+    rope_type = source_rope_type(config) if config is not None else "default"
+    return spec.n_kv_heads * fold(spec.head_dim) > 1 or rope_type != "default"
+
+
+def source_rope_type(config: dict) -> str:
+    """The source config's RoPE type (`default` when it names none)."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+
+
+def export_rope_parameters(hf_src) -> dict:
+    """The export's `rope_parameters`. Default RoPE as it is. Llama-3's `llama3` (θ_j ÷ factor
+    below 1/low_freq_factor rotations in the original context, kept above 1/high_freq_factor,
+    blended between) as the DeepSeek-YaRN vLLM computes: the same factor, context and bounds
+    (beta_fast = high_freq_factor, beta_slow = low_freq_factor), blended linearly in the slot
+    index instead of in frequency; mscale = mscale_all_dim = 0 and attention_factor 1, so
+    neither vLLM nor transformers rescales cos/sin or the softmax."""
+    rope = dict(hf_src.rope_parameters)
+    theta = float(rope["rope_theta"])
+    if rope.get("rope_type", "default") == "default":
+        return {"rope_type": "default", "rope_theta": theta}
+    return {
+        "rope_type": "yarn",
+        "rope_theta": theta,
+        "factor": float(rope["factor"]),
+        "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+        "beta_fast": float(rope["high_freq_factor"]),
+        "beta_slow": float(rope["low_freq_factor"]),
+        "mscale": 0.0,
+        "mscale_all_dim": 0.0,
+        "attention_factor": 1.0,
+    }
+
+
+def rope_frequencies(hf_src, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(θ_j the source turns pair j by, θ'_j vLLM turns pair j's rotary key by), each (d/2,)
+    float64, as transformers computes them (the source's rotary embedding; DeepseekV3's on the
+    export's `rope_parameters`, slot s = pair j // f)."""
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    def init(config) -> torch.Tensor:
+        rope_type = config.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            dim = getattr(config, "qk_rope_head_dim", None) or config.head_dim
+            return rope_inv_freq(float(config.rope_parameters["rope_theta"]), dim)
+        return ROPE_INIT_FUNCTIONS[rope_type](config)[0].double()
+
+    source = init(hf_src)  # (d/2,)
+    export = DeepseekV3Config(
+        qk_rope_head_dim=ROPE_DIM,
+        rope_parameters=export_rope_parameters(hf_src),
+        max_position_embeddings=hf_src.max_position_embeddings,
+    )
+    slots = init(export)  # (32,)
+    return source, slots.repeat_interleave(fold(head_dim))
+
+
+def needs_compression(spec: AttentionSpec, hidden: int, rank: int = KV_LORA_RANK) -> bool:
+    """The position-free keys and the values need more than the latent's `rank` dims (7B+: G·d large)."""
+    return min(latent_content_rank(spec), hidden) > rank
 
 
 # ------------------------------------------------------------------ the export
 
 
 def vllm_geometry(spec: AttentionSpec) -> dict:
-    """Head dims of the export: nope, rope, v."""
-    return {"nope": max((spec.n_kv_heads - 1) * spec.head_dim, spec.head_dim), "rope": ROPE_DIM, "v": spec.head_dim}
+    """Head dims of the export: nope (each head's own position-free key: its group's remainder,
+    d dims), rope, v."""
+    return {"nope": spec.head_dim, "rope": ROPE_DIM, "v": spec.head_dim}
 
 
 def resolve_vllm_spec(state_dict: dict, config) -> tuple[dict, StateDictSource, AttentionSpec]:
@@ -263,7 +379,7 @@ STAND_INS = ("fit", "nope", "drop", "expected")
 
 
 def position_free_stand_in(
-    mode: str, layer_stats, n_heads: int, head_dim: int, theta: float, span: int = 1024
+    mode: str, layer_stats, n_heads: int, inv_freq: torch.Tensor, span: int = 1024
 ) -> torch.Tensor | None:
     """`attention_tensors`' stand_in (H, 2, d/2, 2) for the position-free (NoPE) terms, or None
     for the terms unrotated (their rotation dropped: right at distance 0). mode fit: the
@@ -274,14 +390,13 @@ def position_free_stand_in(
         return getattr(layer_stats, "rotation_fit", None)
     if mode == "nope":
         return None
-    inv_freq = rope_inv_freq(theta, head_dim)  # (d/2,)
     if mode == "drop":
         alpha = torch.zeros_like(inv_freq)
     elif mode == "expected":
         alpha = torch.cos(inv_freq[:, None] * torch.arange(span, dtype=torch.float64)[None, :]).mean(1)
     else:
         raise ValueError(f"unknown stand-in {mode!r}; use one of {STAND_INS}")
-    stand_in = torch.zeros(n_heads, 2, head_dim // 2, 2, dtype=torch.float64)
+    stand_in = torch.zeros(n_heads, 2, len(inv_freq), 2, dtype=torch.float64)
     stand_in[:, 0, :, 0] = alpha
     return stand_in
 
@@ -294,14 +409,15 @@ def rotation_fit_observer(source, spec: AttentionSpec, config, samples: int = SA
     source: the in-memory source of `resolve_vllm_spec`."""
     from convert.hf import hf_config
 
-    theta = float(hf_config(config).rope_parameters["rope_theta"])
     H, G, d = spec.n_heads, spec.n_kv_heads, spec.head_dim
-    inv_freq = rope_inv_freq(theta, d)  # (d/2,)
+    inv_freq, rotary_freq = rope_frequencies(hf_config(config), d)  # (d/2,) each: slot s turns at θ'_s
     groups = group_of_head(H, G, spec.head_map)  # (H,)
+    f = fold(d)
 
     def observe(layer: int, x: torch.Tensor, decoder, inputs, layer_stats) -> None:
         _, rotary, mask = inputs
-        rotations = group_rotations(read_layer(source, spec, layer), spec, layer_stats.moment)  # (d/2, G, G)
+        u, _ = rotary_directions(read_layer(source, spec, layer), spec, layer_stats.moment)  # (32, G·f)
+        base = rotary_coefficients(u, groups, G)  # (H, d/2)
         attention = decoder.self_attn
         generator = torch.Generator().manual_seed(layer)
         gram, rhs = 0, 0
@@ -309,11 +425,13 @@ def rotation_fit_observer(source, spec: AttentionSpec, config, samples: int = SA
             L = window.shape[1]
             q = attention.q_proj(window).view(L, H, d)  # pre-RoPE queries
             k = attention.k_proj(window).view(1, L, G, d)  # pre-RoPE keys
-            remainder = key_remainder(k, rotations[:, 0, :])[0][:, groups]  # (L, H, d): each head's group's
-            mixture = rotary_mixture(k, rotations[:, 0, :])[0]  # (L, d): what k_pe holds
+            remainder = key_remainder(k, u)[0][:, groups]  # (L, H, d): each head's group's
+            rotary_key = per_pair(rotary_mixture(k, u)[0], f)  # (L, d): what k_pe holds, per query pair
             probs = attention_probabilities(attention, window, rotary, None if mask is None else mask[:1])
             keys = sample_keys(probs[0].cpu(), samples, generator)  # (H, L, S)
-            window_gram, window_rhs = fit_normal_equations(q.cpu(), remainder.cpu(), mixture.cpu(), keys, inv_freq)
+            window_gram, window_rhs = fit_normal_equations(
+                q.cpu(), remainder.cpu(), rotary_key.cpu(), keys, inv_freq, rotary_freq, base
+            )
             gram, rhs = gram + window_gram, rhs + window_rhs
         layer_stats.rotation_fit = fit_rotation_stand_in(gram, rhs)
 
@@ -321,18 +439,26 @@ def rotation_fit_observer(source, spec: AttentionSpec, config, samples: int = SA
 
 
 def to_vllm_deepseek(
-    state_dict: dict[str, torch.Tensor], config, stats=None, dtype=None, stand_in: str = "fit", span: int = 1024
+    state_dict: dict[str, torch.Tensor],
+    config,
+    stats=None,
+    dtype=None,
+    stand_in: str = "fit",
+    span: int = 1024,
+    rank: int = KV_LORA_RANK,
 ) -> tuple[dict, dict]:
     """Export a GQA model (Llama, Mistral) as a DeepseekV3ForCausalLM that vLLM serves with MLA.
 
     state_dict: the source's tensors (HF names). config: its config.json dict or a
     transformers config. stats: per-layer calibration statistics
-    (`convert.compress.calibrate`; needed when G > 1; with `rotation_fit_observer` they also
-    carry the fitted stand-in for the dropped rotations). dtype: of every tensor written
-    (default the source's query weight dtype). stand_in, span: `position_free_stand_in`.
+    (`convert.compress.calibrate`; needed when G > 1 or d > 64; with `rotation_fit_observer` they
+    also carry the fitted stand-in for the dropped rotations; with the Fisher statistics a
+    compressed latent is weighted in loss units). dtype: of every tensor written (default the
+    source's query weight dtype). stand_in, span: `position_free_stand_in`. rank: latent dims
+    used of vLLM's 512 (the rest zero): below the content's, the latent is compressed.
 
-    Returns (state_dict, config_dict) with `model_type: deepseek_v3`. Exact for G = 1;
-    for G > 1 lossy by construction (module docstring): only 64 rotary key dims. Raises
+    Returns (state_dict, config_dict) with `model_type: deepseek_v3`. Exact for G = 1, d = 64;
+    otherwise lossy by construction (module docstring): only 64 rotary key dims. Raises
     ConvertError for what vLLM would serve wrongly (module docstring).
     """
     from transformers import DeepseekV3Config
@@ -344,6 +470,8 @@ def to_vllm_deepseek(
     dtype = _as_dtype(dtype) or source.dtype(spec.tensor(0, "q"))
     check_vllm_exportable(config, spec, source, dtype, stats is not None)
     _check_exportable(hf_src, dtype if dtype != torch.float16 else torch.float32)
+    if not 0 < rank <= KV_LORA_RANK:
+        raise ValueError(f"rank {rank}: the latent holds 1 to {KV_LORA_RANK} dims")
     names = _pass_through_names(state_dict, spec)
     for layer in range(spec.n_layers):
         check_layer(source, spec, layer)
@@ -360,7 +488,7 @@ def to_vllm_deepseek(
         "q_lora_rank": None,
         "attention_bias": False,
         "rms_norm_eps": NORM_EPS,
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(hf_src.rope_parameters["rope_theta"])},
+        "rope_parameters": export_rope_parameters(hf_src),
         "rope_interleave": True,
     }
     result = DeepseekV3Config(**fields).to_dict()
@@ -381,20 +509,22 @@ def to_vllm_deepseek(
         .to(dtype)
         .clone()
     )
-    theta = float(hf_src.rope_parameters["rope_theta"])
-    retained, fitted = [], []
+    inv_freq = rope_frequencies(hf_src, spec.head_dim)[0]
+    retained, fitted, compressed = [], [], []
     for layer in range(spec.n_layers):
         weights = read_layer(source, spec, layer)
         layer_stats = stats[layer] if stats is not None else None
-        moment = layer_stats.moment if layer_stats is not None else None
-        rotations = group_rotations(weights, spec, moment)
-        retained.append(rotary_energy_kept(weights, spec, rotations, moment))
-        terms = position_free_stand_in(stand_in, layer_stats, spec.n_heads, spec.head_dim, theta, span)
+        u, kept = rotary_directions(weights, spec, layer_stats.moment if layer_stats is not None else None)
+        retained.append(kept)
+        terms = position_free_stand_in(stand_in, layer_stats, spec.n_heads, inv_freq, span)
         fitted.append(terms is not None)
         prefix = spec.prefix(layer)
-        for name, tensor in attention_tensors(weights, spec, rotations, geo["nope"], q_scale, s, terms).items():
+        tensors, squeezed = attention_tensors(weights, spec, u, q_scale, s, terms, rank, layer_stats)
+        compressed.append(squeezed)
+        for name, tensor in tensors.items():
             out[prefix + name] = tensor.to(dtype).contiguous()
 
+    exact = not needs_calibration(spec, config) and not any(compressed)
     result["convert_export"] = {
         "target": "vllm",
         "source_model_type": config.get("model_type"),
@@ -403,13 +533,26 @@ def to_vllm_deepseek(
         "q_scale": q_scale,
         "n_kv_heads": spec.n_kv_heads,
         "head_dim": spec.head_dim,
-        "exact": spec.n_kv_heads == 1,
+        "exact": exact,
+        "frequency_fold": fold(spec.head_dim),
         "rotary_key_energy_kept": retained,
-        "position_free_terms": "exact" if spec.n_kv_heads == 1 else (stand_in if all(fitted) else "nope"),
+        "position_free_terms": "exact" if exact else (stand_in if all(fitted) else "nope"),
+        "source_rope_type": source_rope_type(config),
+        "latent_content_dims": latent_content_rank(spec),
+        "latent_dims_used": min(rank, latent_content_rank(spec), weights.k.shape[1]),
+        "latent_compressed": any(compressed),
+        "latent_weighting": _weighting_name(stats) if any(compressed) else None,
         "kv_cache_dims_per_token_per_layer": cache_values_per_layer(),
         "gqa_cache_dims_per_token_per_layer": 2 * spec.n_kv_heads * spec.head_dim,
     }
     return out, result
+
+
+def _weighting_name(stats) -> str:
+    """How a compressed latent's error was weighted (`latent_factor`)."""
+    if stats is not None and getattr(stats[0], "key_fisher", None) is not None:
+        return "fisher"
+    return "whitened" if stats is not None else "svd"
 
 
 class _Geo:
@@ -418,25 +561,6 @@ class _Geo:
     def __init__(self, spec: AttentionSpec, geo: dict):
         self.n_heads, self.q_lora_rank, self.kv_lora_rank = spec.n_heads, None, KV_LORA_RANK
         self.rope_dim, self.head_dim = ROPE_DIM, geo["v"]
-
-
-def rotary_energy_kept(w: LayerWeights, spec: AttentionSpec, rotations: torch.Tensor, moment) -> float | None:
-    """Fraction of the query-weighted key energy in the rotary component (1.0 for G = 1)."""
-    if spec.n_kv_heads == 1:
-        return 1.0
-    if moment is None:
-        return None
-    G, d = spec.n_kv_heads, spec.head_dim
-    first, second = rotate_half_pairs(d)
-    k = w.k.double().reshape(G, d, -1)
-    M = moment.double()
-    kept = total = 0.0
-    for j in range(d // 2):
-        kj = k[:, [int(first[j]), int(second[j])]]  # (G, 2, D)
-        mixed = torch.einsum("cg,gid->cid", rotations[j], kj)  # (G, 2, D)
-        energy = torch.einsum("cid,de,cie->c", mixed, M, mixed)  # (G,)
-        kept, total = kept + float(energy[0]), total + float(energy.sum())
-    return kept / total
 
 
 def match_vllm_norms(model) -> None:
