@@ -4,7 +4,9 @@ its position-free keys and values need, 26%), measured where a real model is at 
 
 SmolLM2 needs 320 latent dims (128 remainder + 192 values); the export is given 100 / 75 / 50 /
 25% of them (`to_vllm_deepseek(rank=…)`), the latent factored with Fisher weights (the API's
-choice when it compresses) and with plain activation whitening. Calibrates on Pride and
+choice when it compresses), on the original model's inputs or sequentially (each layer on the
+inputs the export's own earlier layers give it, up-projections refit to the original's keys and
+values), and with plain activation whitening. Calibrates on Pride and
 Prejudice (4096 tokens), perplexity ratio against the original on a DEV text (Persuasion,
 2048 tokens).
 
@@ -24,6 +26,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCa
 from convert.compress.calibrate import calibrate, fisher_calibrate_streamed
 from convert.io import open_checkpoint
 from convert.targets.vllm import (
+    SequentialLatents,
     latent_content_rank,
     match_vllm_norms,
     resolve_vllm_spec,
@@ -62,10 +65,18 @@ need = latent_content_rank(spec)
 results = []
 for share in (1.0, 0.75, 0.5, 0.25):
     rank = round(need * share)
-    for weighting, layer_stats in (("fisher", stats), ("whitened", whitened)):
-        if share == 1.0 and weighting == "whitened":
+    for weighting, layer_stats, sequential in (
+        ("fisher", stats, True),
+        ("fisher", stats, False),
+        ("whitened", whitened, False),
+    ):
+        if share == 1.0 and (weighting == "whitened" or not sequential):
             continue  # exact: no weighting involved
-        t, c = to_vllm_deepseek(sd, config, layer_stats, rank=rank)
+        t0 = time.perf_counter()
+        with open_checkpoint(src) as ck:
+            seq = SequentialLatents(ck, config, cal) if sequential and share < 1.0 else None
+            t, c = to_vllm_deepseek(sd, config, layer_stats, rank=rank, sequential=seq)
+        export_s = time.perf_counter() - t0
         export = c.pop("convert_export")
         m = DeepseekV3ForCausalLM(DeepseekV3Config.from_dict(c)).eval()
         m.load_state_dict(t, strict=False)
@@ -75,6 +86,8 @@ for share in (1.0, 0.75, 0.5, 0.25):
                 "latent_share": share,
                 "rank": rank,
                 "weighting": export["latent_weighting"] or "exact",
+                "calibration": export["latent_calibration"],
+                "export_s": export_s,
                 "ppl_ratio_dev": ppl(m) / p0,
             }
         )

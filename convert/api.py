@@ -432,10 +432,16 @@ def _export_transformers(src: Path, source: Checkpoint, output: Path, opts: Conv
     return _write_export(src, source, output, opts, start, tensors, config, notes, spec)
 
 
+#: How the vllm target's compressed latent is calibrated unless --calibration says: original measured
+#: better at 75% and 25% of the latent's need on SmolLM2, sequential at 50% (bench/vllm_latent.py).
+VLLM_CALIBRATION = "original"
+
+
 def _export_vllm(src: Path, source: Checkpoint, output: Path, opts: ConvertOptions, start: float):
     """`--target vllm`: a DeepseekV3ForCausalLM in vLLM's MLA shape (convert.targets.vllm); calibrated
     on --calib when there is more than one key/value head. Every refusal comes before calibration."""
     from convert.targets.vllm import (
+        SequentialLatents,
         check_vllm_exportable,
         needs_calibration,
         needs_compression,
@@ -449,7 +455,7 @@ def _export_vllm(src: Path, source: Checkpoint, output: Path, opts: ConvertOptio
     config, src_view, spec = resolve_vllm_spec(state_dict, source.config or {})
     dtype = src_view.dtype(spec.tensor(0, "q"))
     check_vllm_exportable(config, spec, src_view, dtype, opts.calib is not None or not needs_calibration(spec, config))
-    stats = None
+    stats = sequential = None
     if opts.calib is not None:
         ids = opts.calib
         if not isinstance(ids, torch.Tensor):
@@ -464,7 +470,9 @@ def _export_vllm(src: Path, source: Checkpoint, output: Path, opts: ConvertOptio
             )
             for layer_stats, layer_fisher in zip(stats, fisher):
                 layer_stats.key_fisher, layer_stats.value_fisher = layer_fisher.key_fisher, layer_fisher.value_fisher
-    tensors, config = to_vllm_deepseek(state_dict, config, stats)
+            if (opts.calibration or VLLM_CALIBRATION) == "sequential":
+                sequential = SequentialLatents(getattr(source, "module_source", source), config, ids)
+    tensors, config = to_vllm_deepseek(state_dict, config, stats, sequential=sequential)
     info = config["convert_export"]
     notes = [vllm_note(info)]
     return _write_export(src, source, output, opts, start, tensors, config, notes, source_spec)

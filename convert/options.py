@@ -205,7 +205,8 @@ class ConvertOptions(VerifyOptions):
         "Compression: factor every layer on the original model's hidden states, or (sequential) on those "
         "of the model compressed so far, refitting its up-projections to the original layer's keys and "
         "values (GPTQ's order; one layer in memory). Default: sequential in the factored layout, original "
-        "in the absorbed one (what measured best).",
+        "in the absorbed one (what measured best). With --target vllm: how a latent compressed into vLLM's "
+        "512 dims (7B+) is factored; default original (what measured best at 25% and 75%).",
         choices=CALIBRATIONS,
     )
     nope_angle: float = option(
@@ -247,6 +248,7 @@ class ConvertOptions(VerifyOptions):
             "--calib": self.calib if self.target != "vllm" else None,
             "--allocation": self.allocation,
             "--max-ppl-ratio": self.max_ppl_ratio if self.target != "vllm" else None,
+            "--calibration": self.calibration if self.target != "vllm" else None,
         }
         given = [flag for flag, value in ignored.items() if value not in (None, False)]
         if given:

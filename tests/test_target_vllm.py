@@ -200,10 +200,36 @@ def test_the_latent_is_exact_while_it_fits_and_compressed_below():
     assert errors[-1] < 1e-6 and errors[0] > errors[1] > errors[2] > 1e-4, errors
 
 
-def test_an_8b_shaped_source_is_compressed_into_the_latent_through_the_api(tmp_path):
+@pytest.mark.parametrize("mask", [None, "bool"])
+def test_the_exports_attention_stands_in_for_the_sources(mask):
+    """`ExportAttention` (what sequential calibration runs in the compressed stream) in a source
+    decoder layer: for an exact export (one key head of d = 64) it gives the source attention's
+    output, with a bool mask or none (transformers' plain causal case)."""
+    from convert.targets.vllm import ExportAttention
+
+    model = tiny_llama(1)
+    tensors, config = to_vllm_deepseek(model.state_dict(), model.config, dtype=torch.float32)
+    s = config["convert_export"]["residual_scale"]
+    prefix = "model.layers.1.self_attn."
+    own = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
+    export = ExportAttention(config, 1, own, s)
+    x = torch.randn(1, 20, HIDDEN, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(20)[None]
+    rotary = model.model.rotary_emb(x, positions)
+    causal = torch.ones(20, 20, dtype=torch.bool).tril()[None, None] if mask else None
+    source = model.model.layers[1].self_attn
+    with torch.no_grad():
+        want = source(x, position_embeddings=rotary, attention_mask=causal if mask else None)[0]
+        got = export(x, attention_mask=causal, position_ids=positions, position_embeddings=rotary)[0]
+    assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("calibration", [None, "sequential"])
+def test_an_8b_shaped_source_is_compressed_into_the_latent_through_the_api(tmp_path, calibration):
     """Llama-3-8B's attention (G = 8 key heads of d = 128, llama3 RoPE; 16 query heads here,
     D = 1024): 1,984 latent dims needed, 512 held. The API calibrates with Fisher statistics,
-    compresses the latent, writes DeepSeek-YaRN, and the report says so."""
+    compresses the latent (on the original's inputs by default, or sequentially), writes
+    DeepSeek-YaRN, and the report says so."""
     import convert
 
     torch.manual_seed(8)
@@ -222,12 +248,20 @@ def test_an_8b_shaped_source_is_compressed_into_the_latent_through_the_api(tmp_p
     LlamaForCausalLM(config).eval().save_pretrained(tmp_path / "src")
     calib = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(2))
     result = convert.gqa2mla(
-        tmp_path / "src", tmp_path / "out", target="vllm", calib=calib, max_ppl_ratio=100.0, tokens=64, progress=False
+        tmp_path / "src",
+        tmp_path / "out",
+        target="vllm",
+        calib=calib,
+        calibration=calibration,
+        max_ppl_ratio=100.0,
+        tokens=64,
+        progress=False,
     )
     written = json.loads((result.output / "config.json").read_text())
     assert written["rope_parameters"]["rope_type"] == "yarn"
     exported = written["convert_export"]
     assert exported["latent_compressed"] and exported["latent_weighting"] == "fisher"
+    assert exported["latent_calibration"] == (calibration or "original")
     assert exported["latent_content_dims"] == 64 * 15 + 1024 and exported["latent_dims_used"] == 512
     target = result.report["target"]
     assert target["cache_values_per_token_per_layer"] == 576 and target["gqa_cache_values_per_token_per_layer"] == 2048

@@ -70,14 +70,19 @@ class SequentialCalibration:
 
     def advance(self, layer: int, mla: dict, tensors: dict[str, torch.Tensor]) -> None:
         """Run layer `layer` in both models: the original's attention, then the converted one."""
+        window = getattr(self.decoder.self_attn, "sliding_window", None)
+        tensors = {name: t.to(self.stream.dtype) for name, t in tensors.items()}
+        rope = self.stream.layer_rotary(layer)
+        self.advance_with(layer, build_mla_attention(mla, layer, tensors, rotary=rope, sliding_window=window))
+
+    def advance_with(self, layer: int, attention: torch.nn.Module) -> None:
+        """Run layer `layer` in both models: the original with its own attention, the compressed one
+        with `attention` in its place (called as the decoder calls its self_attn)."""
         positions, rotary, mask = self.stream.inputs(layer, self.original)
         run = lambda h: self.decoder(h, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
         with torch.no_grad():
             self.original = _hidden(run(self.original))
-            window = getattr(self.decoder.self_attn, "sliding_window", None)
-            tensors = {name: t.to(self.stream.dtype) for name, t in tensors.items()}
-            rope = self.stream.layer_rotary(layer)
-            self.decoder.self_attn = build_mla_attention(mla, layer, tensors, rotary=rope, sliding_window=window)
+            self.decoder.self_attn = attention
             self.compressed = _hidden(run(self.compressed))
         self.decoder = None
 

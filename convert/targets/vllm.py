@@ -132,7 +132,8 @@ def _slot_rows(spec: AttentionSpec, slot: int) -> tuple[list[int], list[int]]:
 def rotary_directions(
     w: LayerWeights, spec: AttentionSpec, moment: torch.Tensor | None
 ) -> tuple[torch.Tensor, float | None]:
-    """(u (32, G·f) float64 unit rows, the fraction of the query-weighted key energy they keep).
+    """(u (32, G·f) float64 unit rows, the fraction of the key energy E‖k‖² they keep; None
+    without a moment, when u is only a placeholder: the export refuses to go on uncalibrated).
 
     Slot s of vLLM's 64 rotary dims turns at the source's θ_{s·f}; its G·f components are the
     G key heads' pairs s·f + i (i < f, f = d/64: FreqFold for d = 128). Their covariance
@@ -183,13 +184,15 @@ def latent_content_rank(spec: AttentionSpec) -> int:
 
 
 def latent_factor(
-    remainder: torch.Tensor, value: torch.Tensor, spec: AttentionSpec, rank: int, layer_stats=None
+    remainder: torch.Tensor, value: torch.Tensor, spec: AttentionSpec, rank: int, layer_stats=None, inputs=None
 ) -> tuple[Factor, bool]:
     """The latent's down-projection and the keys' and values' up-projections: a factor of
     [r; W^V] (2·G·d, D). (factor, compressed): exact (plain SVD at the content's rank) when
     `latent_content_rank` fits in `rank`; otherwise the compression module's best rank-`rank`
     factor (`weighted_factor`: M-whitened, rows weighted by the key and value Fisher
-    information when the stats carry it — loss units, so keys and values share the budget)."""
+    information when the stats carry it — loss units, so keys and values share the budget).
+    inputs: sequential calibration's `SequentialStats` of the layer (M of the compressed model's
+    inputs, and the up-projections refit to the original layer's outputs), else the original's."""
     content = torch.cat([remainder, value.double()])  # (2·G·d, D)
     need = min(latent_content_rank(spec), content.shape[1])
     if need <= rank:
@@ -199,6 +202,8 @@ def latent_factor(
         row_weight = torch.block_diag(
             psd_sqrt(_ridge(layer_stats.key_fisher.double())), psd_sqrt(_ridge(layer_stats.value_fisher.double()))
         )
+    if inputs is not None:
+        return weighted_factor(content, rank, row_weight, moment=inputs.moment, cross=inputs.cross), True
     moment = layer_stats.moment if layer_stats is not None else None
     return weighted_factor(content, rank, row_weight=row_weight, moment=moment), True
 
@@ -212,6 +217,7 @@ def attention_tensors(
     stand_in: torch.Tensor | None = None,
     rank: int = KV_LORA_RANK,
     layer_stats=None,
+    inputs=None,
 ) -> tuple[dict[str, torch.Tensor], bool]:
     """One layer's DeepseekV3Attention tensors (float64), by name relative to `self_attn.`, and
     whether its latent is compressed (`latent_factor`).
@@ -220,7 +226,7 @@ def attention_tensors(
     h and pair j, [h, 0, j] the (α, β) of its position-free (NoPE) terms, which stand in for the
     dropped rotation as q_hᵀ [[α, β], [-β, α]] r, and [h, 1, j] the (α', β') of the map added to
     its rotary query (`convert.targets.nope_fit`); default the terms unrotated, nothing added.
-    rank: latent dims used (the rest of the 512 zero)."""
+    rank: latent dims used (the rest of the 512 zero). layer_stats, inputs: `latent_factor`'s."""
     G, d, H = spec.n_kv_heads, spec.head_dim, spec.n_heads
     f = fold(d)
     first, second = rotate_half_pairs(d)
@@ -242,7 +248,7 @@ def attention_tensors(
     k_pe = torch.stack([k0[: ROPE_DIM // 2], k0[ROPE_DIM // 2 :]], dim=1).reshape(ROPE_DIM, hidden)
     q_nope = torch.cat([alpha * q1 - beta * q2, beta * q1 + alpha * q2], dim=1)  # (H, d, D), W^Q's row layout
 
-    factor, compressed = latent_factor(remainder, w.v, spec, rank, layer_stats)
+    factor, compressed = latent_factor(remainder, w.v, spec, rank, layer_stats, inputs)
     used = factor.down.shape[0]
     latent = torch.zeros(KV_LORA_RANK, hidden, dtype=torch.float64)
     latent[:used] = factor.down
@@ -446,6 +452,7 @@ def to_vllm_deepseek(
     stand_in: str = "fit",
     span: int = 1024,
     rank: int = KV_LORA_RANK,
+    sequential=None,
 ) -> tuple[dict, dict]:
     """Export a GQA model (Llama, Mistral) as a DeepseekV3ForCausalLM that vLLM serves with MLA.
 
@@ -456,6 +463,8 @@ def to_vllm_deepseek(
     compressed latent is weighted in loss units). dtype: of every tensor written (default the
     source's query weight dtype). stand_in, span: `position_free_stand_in`. rank: latent dims
     used of vLLM's 512 (the rest zero): below the content's, the latent is compressed.
+    sequential: a `SequentialLatents` on the source and the calibration text: a compressed
+    latent is then factored for the inputs the export's own layers give it (GPTQ's order).
 
     Returns (state_dict, config_dict) with `model_type: deepseek_v3`. Exact for G = 1, d = 64;
     otherwise lossy by construction (module docstring): only 64 rotary key dims. Raises
@@ -519,8 +528,11 @@ def to_vllm_deepseek(
         terms = position_free_stand_in(stand_in, layer_stats, spec.n_heads, inv_freq, span)
         fitted.append(terms is not None)
         prefix = spec.prefix(layer)
-        tensors, squeezed = attention_tensors(weights, spec, u, q_scale, s, terms, rank, layer_stats)
+        inputs = sequential.stats(layer) if sequential is not None else None
+        tensors, squeezed = attention_tensors(weights, spec, u, q_scale, s, terms, rank, layer_stats, inputs)
         compressed.append(squeezed)
+        if sequential is not None:
+            sequential.advance(layer, tensors, result, s)
         for name, tensor in tensors.items():
             out[prefix + name] = tensor.to(dtype).contiguous()
 
@@ -542,6 +554,7 @@ def to_vllm_deepseek(
         "latent_dims_used": min(rank, latent_content_rank(spec), weights.k.shape[1]),
         "latent_compressed": any(compressed),
         "latent_weighting": _weighting_name(stats) if any(compressed) else None,
+        "latent_calibration": ("sequential" if sequential is not None else "original") if any(compressed) else None,
         "kv_cache_dims_per_token_per_layer": cache_values_per_layer(),
         "gqa_cache_dims_per_token_per_layer": 2 * spec.n_kv_heads * spec.head_dim,
     }
@@ -553,6 +566,65 @@ def _weighting_name(stats) -> str:
     if stats is not None and getattr(stats[0], "key_fisher", None) is not None:
         return "fisher"
     return "whitened" if stats is not None else "svd"
+
+
+class SequentialLatents:
+    """Sequential calibration of the vllm target's compressed latent (`convert.compress.sequential`):
+    the calibration text runs through the original model and, side by side, through the source
+    with the export's attention in the layers converted so far, so layer ℓ's latent is factored
+    for the inputs it will see and its up-projections refit to the original layer's keys and
+    values. One decoder layer in memory, plus both streams' hidden states."""
+
+    def __init__(self, checkpoint, config: dict, token_ids: torch.Tensor):
+        from convert.compress.sequential import SequentialCalibration
+
+        self.calibration = SequentialCalibration(checkpoint, config, token_ids)
+
+    def stats(self, layer: int):
+        """Layer `layer`'s `SequentialStats` (loads it)."""
+        return self.calibration.stats(layer)
+
+    def advance(self, layer: int, tensors: dict[str, torch.Tensor], export_config: dict, s: float) -> None:
+        """Run layer `layer` in both streams, the export's attention (`tensors`, by name relative to
+        `self_attn.`) in the compressed one."""
+        self.calibration.advance_with(layer, ExportAttention(export_config, layer, tensors, s))
+
+
+class ExportAttention(torch.nn.Module):
+    """The export's DeepseekV3Attention standing in a source decoder layer's self_attn: its own
+    rotary embedding (the export's 64 interleaved dims), the latent norm's eps as vLLM reads it,
+    its output ÷ s (o_proj carries the residual scale; the source's stream is unscaled)."""
+
+    def __init__(self, export_config: dict, layer: int, tensors: dict[str, torch.Tensor], s: float):
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+            DeepseekV3Attention,
+            DeepseekV3RotaryEmbedding,
+        )
+
+        super().__init__()
+        config = DeepseekV3Config.from_dict({k: v for k, v in export_config.items() if k != "convert_export"})
+        config._attn_implementation = "eager"
+        self.attention = DeepseekV3Attention(config, layer).to(torch.float32)
+        weights = {name: t.float() for name, t in tensors.items()}
+        weights["o_proj.weight"] = weights["o_proj.weight"] / s
+        self.attention.load_state_dict(weights)
+        norm = self.attention.kv_a_layernorm
+        setattr(norm, "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps", config.rms_norm_eps)
+        self.rotary = DeepseekV3RotaryEmbedding(config)
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, **kwargs):
+        L = hidden_states.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(L, device=hidden_states.device)[None]
+        rotary = self.rotary(hidden_states, position_ids)
+        if attention_mask is None:  # transformers leaves a plain causal mask to its kernels
+            attention_mask = torch.full((L, L), float("-inf"), dtype=hidden_states.dtype).triu(1)[None, None]
+        elif attention_mask.dtype == torch.bool:
+            attention_mask = torch.zeros(attention_mask.shape, dtype=hidden_states.dtype).masked_fill(
+                ~attention_mask, float("-inf")
+            )
+        return self.attention(hidden_states, position_embeddings=rotary, attention_mask=attention_mask)
 
 
 class _Geo:
