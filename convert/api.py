@@ -5,6 +5,7 @@ mla_sd = convert.convert_state_dict(model.state_dict(), model.config)
 mla_model = convert.to_mla(model)
 """
 
+import math
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ from convert.io import Checkpoint, CheckpointWriter, open_checkpoint, output_loc
 from convert.layouts import attention_view
 from convert.options import ConvertOptions
 from convert.plan import ConversionPlan, budget_dims, check_rank, layer_weighting, make_plan, resolve_spec
-from convert.source import StateDictSource, read_layer
+from convert.source import LazyTensors, StateDictSource, read_layer
 from convert.text import text_token_ids
 from convert.transform import LayerInfo, convert_layer
 
@@ -429,7 +430,8 @@ def _export_transformers(src: Path, source: Checkpoint, output: Path, opts: Conv
         "frequencies and the attention biases this export relies on); transformers' DeepseekV3 caches per-head "
         "keys and values, not the latent"
     ]
-    return _write_export(src, source, output, opts, start, tensors, config, notes, spec)
+    layout = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+    return _write_export(src, source, output, opts, start, layout, tensors.items(), config, lambda: notes, spec)
 
 
 #: How the vllm target's compressed latent is calibrated unless --calibration says: original measured
@@ -447,11 +449,11 @@ def _export_vllm(src: Path, source: Checkpoint, output: Path, opts: ConvertOptio
         needs_compression,
         resolve_vllm_spec,
         rotation_fit_observer,
-        to_vllm_deepseek,
+        vllm_export,
     )
 
     source_spec = resolve_spec(source, source.config, opts)  # the same checks and refusals as the mla target
-    state_dict = {name: source.get(name) for name in source.keys()}
+    state_dict = LazyTensors(source)  # read a tensor at a time as the export writes it
     config, src_view, spec = resolve_vllm_spec(state_dict, source.config or {})
     dtype = src_view.dtype(spec.tensor(0, "q"))
     check_vllm_exportable(config, spec, src_view, dtype, opts.calib is not None or not needs_calibration(spec, config))
@@ -472,10 +474,9 @@ def _export_vllm(src: Path, source: Checkpoint, output: Path, opts: ConvertOptio
                 layer_stats.key_fisher, layer_stats.value_fisher = layer_fisher.key_fisher, layer_fisher.value_fisher
             if (opts.calibration or VLLM_CALIBRATION) == "sequential":
                 sequential = SequentialLatents(getattr(source, "module_source", source), config, ids)
-    tensors, config = to_vllm_deepseek(state_dict, config, stats, sequential=sequential)
-    info = config["convert_export"]
-    notes = [vllm_note(info)]
-    return _write_export(src, source, output, opts, start, tensors, config, notes, source_spec)
+    layout, config, tensors = vllm_export(state_dict, config, stats, sequential=sequential)
+    notes = lambda: [vllm_note(config["convert_export"])]  # complete once every tensor is written
+    return _write_export(src, source, output, opts, start, layout, tensors, config, notes, source_spec)
 
 
 def vllm_note(info: dict) -> str:
@@ -517,26 +518,28 @@ def vllm_note(info: dict) -> str:
     )
 
 
-def _write_export(src, source: Checkpoint, output: Path, opts, start, tensors: dict, config: dict, notes, spec):
-    """Write an export target's tensors and config, then verify and commit like a conversion."""
+def _write_export(src, source: Checkpoint, output: Path, opts, start, layout: dict, tensors, config: dict, notes, spec):
+    """Write an export target's tensors (an iterable of (name, tensor) in `layout`'s names, each
+    written as it comes) and config, then verify and commit like a conversion. notes: called
+    once every tensor is written (what an export says of itself can depend on all of them)."""
     timings: dict[str, float] = {}
-    layout = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
     timings["plan_s"] = time.perf_counter() - start
     with CheckpointWriter(output, layout, parse_size(opts.max_shard_size), opts.force, {"format": "pt"}) as writer:
         t0 = time.perf_counter()
-        for name, tensor in tensors.items():
+        bar = tqdm(tensors, total=len(layout), desc="exporting", unit="tensor", disable=None if opts.progress else True)
+        for name, tensor in bar:
             writer.write(name, tensor.contiguous())
         final, report = _finish(writer, source, src, config, opts, timings, t0)
     timings["total_s"] = time.perf_counter() - start
-    sizes = _export_sizes(source, spec, opts, tensors, config)
-    return ConversionResult(final, config, [], sizes, timings, report, notes)
+    sizes = _export_sizes(source, spec, opts, layout, config)
+    return ConversionResult(final, config, [], sizes, timings, report, notes())
 
 
-def _export_sizes(source: Checkpoint, spec: AttentionSpec, opts: ConvertOptions, tensors: dict, config: dict) -> dict:
+def _export_sizes(source: Checkpoint, spec: AttentionSpec, opts: ConvertOptions, layout: dict, config: dict) -> dict:
     """Attention parameters and the KV cache per token (what a DeepSeek-V3 MLA runtime
     caches: latent + rotary key), before and after, in the checkpoint's dtype."""
     source_plan = make_plan(source, spec, opts)  # headers only
-    after_params = sum(t.numel() for name, t in tensors.items() if ".self_attn." in name)
+    after_params = sum(math.prod(shape) for name, (shape, _) in layout.items() if ".self_attn." in name)
     after_dims = config["num_hidden_layers"] * config["convert_export"]["kv_cache_dims_per_token_per_layer"]
     size = torch.empty((), dtype=source_plan.dtype).element_size()
     return source_plan.sizes() | {

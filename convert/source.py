@@ -4,6 +4,8 @@ Everything that can be checked from headers is checked before any output is
 written; non-finite values are caught as each layer is read.
 """
 
+from collections.abc import Mapping
+
 import torch
 
 from convert.arch import AttentionSpec
@@ -26,9 +28,13 @@ class StateDictSource:
         return name in self.state_dict
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if isinstance(self.state_dict, LazyTensors):  # from the header, nothing read
+            return self.state_dict.checkpoint.shape(name)
         return tuple(self.state_dict[name].shape)
 
     def dtype(self, name: str) -> torch.dtype:
+        if isinstance(self.state_dict, LazyTensors):
+            return self.state_dict.checkpoint.dtype(name)
         return self.state_dict[name].dtype
 
     def get(self, name: str) -> torch.Tensor:
@@ -41,6 +47,30 @@ class StateDictSource:
         return self.state_dict[name][start:stop]
 
     read_rows = get_rows
+
+
+class LazyTensors(Mapping):
+    """A checkpoint's tensors as a read-only mapping that reads each one when it is asked for
+    (`Checkpoint.read`: its own memory, freed with it), so a whole-model export holds one
+    tensor of the source at a time instead of all of them."""
+
+    def __init__(self, checkpoint):
+        self.checkpoint = checkpoint
+        self._names = list(checkpoint.keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.checkpoint:
+            raise KeyError(name)
+        return self.checkpoint.read(name)
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.checkpoint
 
 
 def expected_shapes(spec: AttentionSpec) -> dict[str, tuple[int, ...]]:

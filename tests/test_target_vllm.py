@@ -148,6 +148,41 @@ def test_api_writes_a_report_that_says_where_it_is_lossy(tmp_path):
     assert not (tmp_path / "out2").exists()
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_api_export_reads_the_source_a_tensor_at_a_time(tmp_path, tied):
+    """`LazyTensors`: the export's view of a checkpoint reads a tensor only when asked (shapes and
+    dtypes come from the headers), each into its own memory; the export streams into the writer,
+    each tensor once, lm_head tied or not."""
+    from convert.io import open_checkpoint
+    from convert.source import LazyTensors, StateDictSource
+    from convert.targets.vllm import vllm_export
+
+    model = tiny_llama(1)
+    if not tied:
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN))
+    model.save_pretrained(tmp_path / "src")
+    with open_checkpoint(tmp_path / "src") as checkpoint:
+        reads = []
+        read = checkpoint.read
+        checkpoint.read = lambda name: reads.append(name) or read(name)
+        lazy = LazyTensors(checkpoint)
+        assert set(lazy) == set(model.state_dict()) - ({"lm_head.weight"} if tied else set())
+        view = StateDictSource(lazy, {})
+        assert view.shape("model.embed_tokens.weight") == (VOCAB, HIDDEN) and view.dtype("model.norm.weight")
+        assert reads == [] and "model.norm.weight" in lazy and "nothing" not in lazy
+        with pytest.raises(KeyError):
+            lazy["nothing"]
+        layout, config, tensors = vllm_export(lazy, model.config.to_dict())
+        assert "convert_export" not in config and reads == []  # nothing read before the first tensor
+        items = list(tensors)
+    assert [name for name, _ in items] == list(layout) and config["convert_export"]["exact"]  # each once
+    streamed = dict(items)
+    assert all(tuple(t.shape) == layout[name][0] for name, t in streamed.items())
+    whole, _ = to_vllm_deepseek(model.state_dict(), model.config)
+    assert all(torch.equal(streamed[name], whole[name]) for name in whole)
+
+
 # ------------------------------------------------------------------ head_dim 128 (folded frequencies) and the latent
 
 

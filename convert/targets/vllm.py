@@ -44,6 +44,7 @@ residual overflows).
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -468,7 +469,29 @@ def to_vllm_deepseek(
 
     Returns (state_dict, config_dict) with `model_type: deepseek_v3`. Exact for G = 1, d = 64;
     otherwise lossy by construction (module docstring): only 64 rotary key dims. Raises
-    ConvertError for what vLLM would serve wrongly (module docstring).
+    ConvertError for what vLLM would serve wrongly (module docstring). `vllm_export` gives the
+    same a tensor at a time.
+    """
+    _, config, tensors = vllm_export(state_dict, config, stats, dtype, stand_in, span, rank, sequential)
+    out = dict(tensors)
+    return out, config
+
+
+def vllm_export(
+    state_dict,
+    config,
+    stats=None,
+    dtype=None,
+    stand_in: str = "fit",
+    span: int = 1024,
+    rank: int = KV_LORA_RANK,
+    sequential=None,
+):
+    """`to_vllm_deepseek` a tensor at a time: (layout {name: (shape, dtype)}, config_dict, an
+    iterator of (name, tensor)). Every refusal comes before it returns; config_dict's
+    `convert_export` is complete once the iterator is exhausted. state_dict: any mapping of
+    names to tensors (`LazyTensors` reads each from a checkpoint when asked): one decoder
+    layer's tensors are in memory at a time, besides what the caller keeps of those it is given.
     """
     from transformers import DeepseekV3Config
 
@@ -503,21 +526,57 @@ def to_vllm_deepseek(
     result = DeepseekV3Config(**fields).to_dict()
     result["rope_theta"] = fields["rope_parameters"]["rope_theta"]  # older readers (vLLM's transformers < 5.20)
 
-    out: dict[str, torch.Tensor] = {}
-    for name in names:
-        tensor = state_dict[name]
-        if name == "model.embed_tokens.weight" or name.endswith("mlp.down_proj.weight"):
-            tensor = tensor.double() * s
-        out[name] = tensor.to(dtype).contiguous()
-    out["lm_head.weight"] = (
-        (
-            state_dict["lm_head.weight"]
-            if "lm_head.weight" in state_dict and not hf_src.tie_word_embeddings
-            else state_dict["model.embed_tokens.weight"]
-        )
-        .to(dtype)
-        .clone()
+    head = "lm_head.weight" if "lm_head.weight" in state_dict and not hf_src.tie_word_embeddings else None
+    names = [name for name in names if name != "lm_head.weight"]  # written on its own, tied or not
+    layout = {name: (source.shape(name), dtype) for name in names}
+    layout["lm_head.weight"] = (source.shape(head or "model.embed_tokens.weight"), dtype)
+    H, d, hidden = spec.n_heads, spec.head_dim, config["hidden_size"]
+    for layer in range(spec.n_layers):
+        prefix = spec.prefix(layer)
+        layout |= {
+            prefix + "q_proj.weight": ((H * (d + ROPE_DIM), hidden), dtype),
+            prefix + "kv_a_proj_with_mqa.weight": ((KV_LORA_RANK + ROPE_DIM, hidden), dtype),
+            prefix + "kv_a_layernorm.weight": ((KV_LORA_RANK,), dtype),
+            prefix + "kv_b_proj.weight": ((H * 2 * d, KV_LORA_RANK), dtype),
+            prefix + "o_proj.weight": ((hidden, H * d), dtype),
+        }
+    plan = _ExportPlan(state_dict, source, spec, hf_src, config, result, names, head, dtype, s, q_scale)
+    return layout, result, _export_tensors(plan, stats, stand_in, span, rank, sequential)
+
+
+@dataclass
+class _ExportPlan:
+    """What `vllm_export` resolved before the first tensor: its source, geometry and scales."""
+
+    state_dict: object  # name -> tensor mapping
+    source: StateDictSource
+    spec: AttentionSpec
+    hf_src: object  # the source's transformers config
+    config: dict
+    result: dict  # the export's config.json (its convert_export filled by `_export_tensors`)
+    names: list  # pass-through tensors
+    head: str | None  # the source's untied lm_head, or None (the embedding)
+    dtype: torch.dtype
+    s: float  # residual scale
+    q_scale: float
+
+
+def _export_tensors(plan: _ExportPlan, stats, stand_in: str, span: int, rank: int, sequential):
+    """`vllm_export`'s tensors, in `layout`'s order (the pass-through ones, lm_head, the layers')."""
+    state_dict, source, spec, hf_src, config, result = (
+        plan.state_dict,
+        plan.source,
+        plan.spec,
+        plan.hf_src,
+        plan.config,
+        plan.result,
     )
+    dtype, s, q_scale = plan.dtype, plan.s, plan.q_scale
+    for name in plan.names:
+        tensor = state_dict[name]
+        scale = s if name == "model.embed_tokens.weight" or name.endswith("mlp.down_proj.weight") else None
+        yield name, _cast(tensor, dtype, scale)
+    yield "lm_head.weight", _cast(state_dict[plan.head or "model.embed_tokens.weight"], dtype)
     inv_freq = rope_frequencies(hf_src, spec.head_dim)[0]
     retained, fitted, compressed = [], [], []
     for layer in range(spec.n_layers):
@@ -534,7 +593,7 @@ def to_vllm_deepseek(
         if sequential is not None:
             sequential.advance(layer, tensors, result, s)
         for name, tensor in tensors.items():
-            out[prefix + name] = tensor.to(dtype).contiguous()
+            yield prefix + name, tensor.to(dtype).contiguous()
 
     exact = not needs_calibration(spec, config) and not any(compressed)
     result["convert_export"] = {
@@ -551,14 +610,25 @@ def to_vllm_deepseek(
         "position_free_terms": "exact" if exact else (stand_in if all(fitted) else "nope"),
         "source_rope_type": source_rope_type(config),
         "latent_content_dims": latent_content_rank(spec),
-        "latent_dims_used": min(rank, latent_content_rank(spec), weights.k.shape[1]),
+        "latent_dims_used": min(rank, latent_content_rank(spec), spec.hidden_size),
         "latent_compressed": any(compressed),
         "latent_weighting": _weighting_name(stats) if any(compressed) else None,
         "latent_calibration": ("sequential" if sequential is not None else "original") if any(compressed) else None,
         "kv_cache_dims_per_token_per_layer": cache_values_per_layer(),
         "gqa_cache_dims_per_token_per_layer": 2 * spec.n_kv_heads * spec.head_dim,
     }
-    return out, result
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype, scale: float | None = None, rows: int = 8192) -> torch.Tensor:
+    """tensor in dtype, its own copy; × scale in float64 first, `rows` rows at a time (the
+    embedding of a 128k vocabulary would be 4 GB in float64 at once)."""
+    if scale is None:
+        cast = tensor.to(dtype)
+        return (cast.clone() if cast.data_ptr() == tensor.data_ptr() else cast).contiguous()
+    out = torch.empty(tensor.shape, dtype=dtype)
+    for start in range(0, tensor.shape[0], rows):
+        out[start : start + rows] = (tensor[start : start + rows].double() * scale).to(dtype)
+    return out
 
 
 def _weighting_name(stats) -> str:
