@@ -43,9 +43,7 @@ orig = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_imple
 
 
 def ppl(m):
-    with torch.no_grad():
-        lp = torch.log_softmax(m(dev).logits[0, :-1].double(), -1).gather(-1, dev[0, 1:, None])[:, 0]
-    return float((-lp.mean()).exp())
+    return _common.perplexity(m, dev)
 
 
 p0 = ppl(orig)

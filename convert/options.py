@@ -155,7 +155,8 @@ class ConvertOptions(VerifyOptions):
         "convert` (exact, every layout, compression). transformers: a DeepseekV3ForCausalLM that stock "
         "transformers loads with no custom code (exact; not for vLLM, which ignores its RoPE factors and biases). "
         "vllm: a DeepseekV3ForCausalLM in the shape vLLM's MLA kernels serve (kv_lora_rank 512 + 64 rotary dims; "
-        "exact for one key/value head, lossy otherwise: needs --calib).",
+        "exact for one key/value head of dim 64, lossy otherwise: needs --calib; head_dim 128 folds two "
+        "frequencies per rotary slot, and a source needing more than 512 latent dims (7B+) is compressed into it).",
         choices=TARGETS,
     )
     arch: str | None = option(None, "Architecture when there is no config.json: llama, mistral, qwen2, seed.", kind=str)

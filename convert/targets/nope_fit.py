@@ -104,7 +104,7 @@ def fit_rotation_stand_in(gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor
     default[:half] = 1.0  # α of the position-free terms: unrotated
     gram = gram + torch.diag_embed(unused.double())
     rhs = torch.where(unused, default, rhs)
-    coef = torch.linalg.solve(gram, rhs[..., None])[..., 0]  # (H, 2d): [α | β | α' | β']
+    coef = _solve_psd(gram, rhs, unused)  # (H, 2d): [α | β | α' | β']
     return coef.reshape(H, 2, 2, half).transpose(-1, -2)  # (H, 2, d/2, 2)
 
 
@@ -116,6 +116,19 @@ def _slots(k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     fold = d // 2 // slots
     pairs = k.reshape(B, L, G, 2, slots, fold)  # pair p = s·f + i; (first, second) halves
     return pairs.permute(0, 1, 3, 4, 2, 5).reshape(B, L, 2, slots, G * fold)
+
+
+def _solve_psd(gram: torch.Tensor, rhs: torch.Tensor, fixed: torch.Tensor, ridge: float = 1e-12) -> torch.Tensor:
+    """x (H, n) with (gram + ridge·mean(diag)·I) x = rhs per head, gram (H, n, n) positive
+    semi-definite, the ridge left off the `fixed` (H, n) unknowns (identity rows): Cholesky (the
+    ridge keeps collinear features solvable), least squares for a head whose factorization fails."""
+    scale = gram.diagonal(dim1=1, dim2=2).mean(-1, keepdim=True).clamp(min=1e-300)  # (H, 1)
+    regular = gram + torch.diag_embed(ridge * scale * (~fixed).to(gram.dtype))
+    factor, info = torch.linalg.cholesky_ex(regular)
+    x = torch.cholesky_solve(rhs[..., None], factor)[..., 0]  # (H, n)
+    for h in info.nonzero()[:, 0].tolist():
+        x[h] = torch.linalg.lstsq(regular[h], rhs[h, :, None], driver="gelsd").solution[:, 0]
+    return x
 
 
 def rotary_mixture(k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
