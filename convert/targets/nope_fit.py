@@ -139,14 +139,16 @@ def rotary_mixture(k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.einsum("blpsc,sc->blps", _slots(k, u), u.to(k.dtype)).reshape(B, L, -1)
 
 
-def key_remainder(k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def key_remainder(k: torch.Tensor, u: torch.Tensor, mixture: torch.Tensor | None = None) -> torch.Tensor:
     """What of the keys k (B, L, G, d) stays position-free: per rotary slot s, minus the rotary
-    key's share, r = (I - u_s u_sᵀ) k over the slot's components. u: (slots, G·f) unit rows."""
+    key's share, r = (I - u_s u_sᵀ) k over the slot's components. u: (slots, G·f) unit rows;
+    mixture: `rotary_mixture(k, u)` when the caller has it already."""
     B, L, G, d = k.shape
     slots = u.shape[0]
     fold = d // 2 // slots
     pairs = k.reshape(B, L, G, 2, slots, fold)
-    along = rotary_mixture(k, u).reshape(B, L, 1, 2, slots, 1)  # u_sᵀk
+    mixture = rotary_mixture(k, u) if mixture is None else mixture
+    along = mixture.reshape(B, L, 1, 2, slots, 1)  # u_sᵀk
     share = u.to(k.dtype).reshape(slots, G, fold).permute(1, 0, 2)[None, None, :, None]  # (1, 1, G, 1, slots, f)
     return (pairs - share * along).reshape(B, L, G, d)
 
@@ -180,8 +182,17 @@ def attention_probabilities(attention: torch.nn.Module, x: torch.Tensor, rotary,
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     k = repeat_kv(k, q.shape[1] // k.shape[1])  # (B, H, L, d)
     scores = q @ k.transpose(-1, -2) * attention.scaling  # (B, H, L, L)
-    if mask is None:  # transformers leaves a plain causal mask to its kernels
-        mask = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-    mask = mask[..., :L, :L]
-    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    scores = scores + additive_mask(mask, L, scores.dtype).to(scores.device)
     return torch.softmax(scores.float(), dim=-1).to(x.dtype)
+
+
+def additive_mask(mask: torch.Tensor | None, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """An attention mask as the (..., L, L) float one added to the scores: a bool mask (True:
+    attend) as 0 / -inf, a float one as it is, None (transformers leaves a plain causal mask to
+    its kernels) as the causal one."""
+    if mask is None:
+        return torch.full((length, length), float("-inf"), dtype=dtype).triu(1)
+    mask = mask[..., :length, :length]
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.to(dtype)

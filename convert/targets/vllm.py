@@ -64,6 +64,7 @@ from convert.targets.deepseek import (
 )
 from convert.targets.nope_fit import (
     SAMPLES,
+    additive_mask,
     attention_probabilities,
     fit_normal_equations,
     fit_rotation_stand_in,
@@ -173,8 +174,9 @@ def rotary_key_weights(w: LayerWeights, spec: AttentionSpec, u: torch.Tensor) ->
     G, d = spec.n_kv_heads, spec.head_dim
     hidden = w.k.shape[1]
     k = w.k.double().T.reshape(1, hidden, G, d)  # the weight's columns as (1, D, G, d) "keys"
-    k0 = rotary_mixture(k, u)[0].T  # (64, D)
-    r = key_remainder(k, u)[0].reshape(hidden, G * d).T  # (G·d, D)
+    mixture = rotary_mixture(k, u)  # (1, D, 64)
+    k0 = mixture[0].T  # (64, D)
+    r = key_remainder(k, u, mixture)[0].reshape(hidden, G * d).T  # (G·d, D)
     return k0, r
 
 
@@ -432,8 +434,9 @@ def rotation_fit_observer(source, spec: AttentionSpec, config, samples: int = SA
             L = window.shape[1]
             q = attention.q_proj(window).view(L, H, d)  # pre-RoPE queries
             k = attention.k_proj(window).view(1, L, G, d)  # pre-RoPE keys
-            remainder = key_remainder(k, u)[0][:, groups]  # (L, H, d): each head's group's
-            rotary_key = per_pair(rotary_mixture(k, u)[0], f)  # (L, d): what k_pe holds, per query pair
+            mixture = rotary_mixture(k, u)  # (1, L, 64): what k_pe holds
+            remainder = key_remainder(k, u, mixture)[0][:, groups]  # (L, H, d): each head's group's
+            rotary_key = per_pair(mixture[0], f)  # (L, d): the rotary key each query pair meets
             probs = attention_probabilities(attention, window, rotary, None if mask is None else mask[:1])
             keys = sample_keys(probs[0].cpu(), samples, generator)  # (H, L, S)
             window_gram, window_rhs = fit_normal_equations(
@@ -679,8 +682,7 @@ class ExportAttention(torch.nn.Module):
         weights = {name: t.float() for name, t in tensors.items()}
         weights["o_proj.weight"] = weights["o_proj.weight"] / s
         self.attention.load_state_dict(weights)
-        norm = self.attention.kv_a_layernorm
-        setattr(norm, "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps", config.rms_norm_eps)
+        _set_latent_norm_eps(self.attention, config.rms_norm_eps)
         self.rotary = DeepseekV3RotaryEmbedding(config)
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, **kwargs):
@@ -688,13 +690,8 @@ class ExportAttention(torch.nn.Module):
         if position_ids is None:
             position_ids = torch.arange(L, device=hidden_states.device)[None]
         rotary = self.rotary(hidden_states, position_ids)
-        if attention_mask is None:  # transformers leaves a plain causal mask to its kernels
-            attention_mask = torch.full((L, L), float("-inf"), dtype=hidden_states.dtype).triu(1)[None, None]
-        elif attention_mask.dtype == torch.bool:
-            attention_mask = torch.zeros(attention_mask.shape, dtype=hidden_states.dtype).masked_fill(
-                ~attention_mask, float("-inf")
-            )
-        return self.attention(hidden_states, position_embeddings=rotary, attention_mask=attention_mask)
+        mask = additive_mask(attention_mask, L, hidden_states.dtype)
+        return self.attention(hidden_states, position_embeddings=rotary, attention_mask=mask)
 
 
 class _Geo:
@@ -712,10 +709,11 @@ def match_vllm_norms(model) -> None:
     the vllm target sets to 2^40. Call this on a loaded DeepseekV3ForCausalLM before
     comparing it with vLLM or the original.
     """
-    eps = model.config.rms_norm_eps
     for layer in model.model.layers:
-        norm = layer.self_attn.kv_a_layernorm
-        if hasattr(norm, "variance_epsilon"):
-            norm.variance_epsilon = eps
-        else:
-            norm.eps = eps
+        _set_latent_norm_eps(layer.self_attn, model.config.rms_norm_eps)
+
+
+def _set_latent_norm_eps(attention: torch.nn.Module, eps: float) -> None:
+    """A DeepseekV3Attention's `kv_a_layernorm` eps (transformers names it variance_epsilon)."""
+    norm = attention.kv_a_layernorm
+    setattr(norm, "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps", eps)
