@@ -8,10 +8,13 @@ tuned on the evaluation text.
 
     python bench/heal.py                                  # 25% cache, both layouts (~15 min on 2 cores)
     python bench/heal.py --ratios 0.5 --layouts factored --steps 100
+    python bench/heal.py --layouts vllm --workdir /tmp    # the --target vllm export, healed through its
+                                                          # transformers twin (written, healed, written)
 """
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,10 +38,13 @@ def parse_args(argv=None):
     p.add_argument("--heal-tokens", type=int, default=16384, help="tokens of the calibration book to heal on")
     p.add_argument("--eval-tokens", type=int, default=4096)
     p.add_argument("--ratios", default="0.25")
-    p.add_argument("--layouts", default="factored,absorbed")
+    p.add_argument(
+        "--layouts", default="factored,absorbed", help="factored, absorbed (to_mla in memory) and vllm (the export)"
+    )
+    p.add_argument("--workdir", type=Path, default=None, help="where the vllm export is written (a temporary dir)")
     p.add_argument("--method", default="fisher")
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=1e-3, help="relative (convert heal --lr)")
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--out", type=Path, default=HERE / "results" / "heal.json")
     return p.parse_args(argv)
@@ -70,17 +76,25 @@ def main(argv=None):
         "rows": rows,
     }
     for layout in args.layouts.split(","):
-        for ratio in (float(r) for r in args.ratios.split(",")):
+        for ratio in (float(r) for r in args.ratios.split(",")) if layout != "vllm" else [None]:
             t0 = time.perf_counter()
-            model = convert.to_mla(
-                original, layout=layout, kv_cache_ratio=ratio, method=args.method, calib=calib_ids, progress=False
-            )
-            convert_s = time.perf_counter() - t0
-            result = convert.heal(
-                model, heal_ids, original=original, eval_texts=eval_ids, steps=args.steps, lr=args.lr,
-                window=args.window, tokens=args.heal_tokens, device="cpu",
+            heal_options = dict(
+                eval_texts=eval_ids, steps=args.steps, lr=args.lr, window=args.window, tokens=args.heal_tokens,
+                device="cpu",
             )  # fmt: skip
-            report = result.report
+            if layout == "vllm":  # the export's directory: healed through its transformers twin, written
+                with tempfile.TemporaryDirectory(dir=args.workdir) as work:
+                    export = Path(work) / "vllm"
+                    convert.gqa2mla(src, export, target="vllm", calib=calib_ids, verify=False, progress=False)
+                    convert_s = time.perf_counter() - t0
+                    healed = convert.heal(export, heal_ids, original=src, output=Path(work) / "healed", **heal_options)
+            else:
+                model = convert.to_mla(
+                    original, layout=layout, kv_cache_ratio=ratio, method=args.method, calib=calib_ids, progress=False
+                )
+                convert_s = time.perf_counter() - t0
+                healed = convert.heal(model, heal_ids, original=original, **heal_options)
+            report = healed.report
             row = {
                 "layout": layout,
                 "ratio": ratio,
@@ -98,7 +112,7 @@ def main(argv=None):
             rows.append(row)
             _common.write_json(args.out, result)  # after every row: a long run keeps what it measured
             print(
-                f"{layout:9s} {ratio:4.2f} ×{row['ppl_ratio_before']:.3f} -> ×{row['ppl_ratio_after']:.3f} "
+                f"{layout:9s} {ratio or 1:4.2f} ×{row['ppl_ratio_before']:.3f} -> ×{row['ppl_ratio_after']:.3f} "
                 f"(KL {row['kl_before']:.4f} -> {row['kl_after']:.4f}; heal {row['heal_s']:.0f} s)",
                 flush=True,
             )
@@ -108,7 +122,7 @@ def main(argv=None):
             [
                 [
                     r["layout"],
-                    f"{r['ratio']:.0%}",
+                    "vLLM's" if r["ratio"] is None else f"{r['ratio']:.0%}",
                     f"×{r['ppl_ratio_before']:.3f}",
                     f"×{r['ppl_ratio_after']:.3f}",
                     f"{r['kl_before']:.4f}",

@@ -8,7 +8,8 @@ perplexity and KL are measured on held-out tokens the training never saw.
 
 `heal(model_or_path, texts, original=..., **options)` works on a live module (healed
 in place, e.g. the output of `convert.to_mla`) or on a converted directory (loaded,
-healed and written to a new directory atomically, like a conversion).
+healed and written to a new directory atomically, like a conversion), a DeepSeek-V3
+export included (trained as transformers runs it, written under its own names).
 """
 
 import json
@@ -47,9 +48,20 @@ class HealResult:
     output: Path | None = None
 
 
+#: Export tensors that hold the pass-through of DeepseekV3's latent norm (`convert.targets`): the norm
+#: weights and the transformers target's constant bias row M. Never trained: a relative learning
+#: rate would move their zero entries by ~1e-3·M.
+_PASS_THROUGH = ("_layernorm.", "kv_a_proj_with_mqa.bias")
+
+
 def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The MLA projections: every parameter of an attention module (`*.self_attn.*`)."""
-    found = {name: p for name, p in model.named_parameters() if ".self_attn." in name}
+    """The MLA projections: every parameter of an attention module (`*.self_attn.*`) but a
+    DeepSeek-V3 export's latent-norm pass-through (`_PASS_THROUGH`)."""
+    found = {
+        name: p
+        for name, p in model.named_parameters()
+        if ".self_attn." in name and not any(part in name for part in _PASS_THROUGH)
+    }
     if not found:
         raise ConvertError("the model has no `.self_attn.` parameters to heal; pass a converted MLA model")
     return found
@@ -60,6 +72,25 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     log_student = torch.log_softmax(student_logits.float(), dim=-1)
     log_teacher = torch.log_softmax(teacher_logits.float(), dim=-1)
     return (log_teacher.exp() * (log_teacher - log_student)).sum(-1).mean()
+
+
+def relative_groups(parameters, lr: float) -> list[dict]:
+    """One AdamW group per tensor with learning rate lr × the tensor's RMS (an all-zero tensor,
+    e.g. a bias the conversion left at 0, takes the median RMS of the others): Adam moves every
+    entry by about its learning rate whatever the gradient's scale, so an absolute rate would move
+    a tensor of small entries far more, relatively, than one of large entries (a vllm export's
+    o_proj is ~1e8, its kv_b_proj ~0.03). SmolLM2 at 25% of the cache, 100 steps: ×1.309 with an
+    absolute 1e-4 (3e-4 diverged), ×1.217 with a relative 1e-3 (bench/heal.py)."""
+    parameters = list(parameters)
+    rms = [float(p.detach().float().pow(2).mean().sqrt()) for p in parameters]
+    nonzero = sorted(r for r in rms if r > 0)
+    fallback = nonzero[len(nonzero) // 2] if nonzero else 1.0
+    return [{"params": [p], "lr": lr * (r if r > 0 else fallback)} for p, r in zip(parameters, rms)]
+
+
+def warmup_cosine(step: int, steps: int, warmup: int = 10) -> float:
+    """The learning rate's factor at `step`: linear warmup over `warmup` steps, then a cosine to 0."""
+    return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
 
 
 def _windows(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
@@ -81,8 +112,9 @@ def _measure(original, model, ids: torch.Tensor, window: int) -> dict:
 def heal_model(model, original, train_ids: torch.Tensor, eval_ids: torch.Tensor, opts: HealOptions) -> dict:
     """Distil `model` toward `original` on `train_ids` (1, N) in place; figures on `eval_ids`.
 
-    Only `trainable_parameters(model)` change (AdamW, lr `opts.lr`, gradients clipped
-    to norm 1); every parameter's `requires_grad` is restored afterwards.
+    Only `trainable_parameters(model)` change (AdamW, gradients clipped to norm 1; each
+    tensor's learning rate `opts.lr` times its RMS, `relative_groups`, warmed up over 10 steps
+    and decayed to 0 on a cosine); every parameter's `requires_grad` is restored afterwards.
     """
     device = next(model.parameters()).device
     train_ids, eval_ids = train_ids.to(device), eval_ids.to(device)
@@ -95,7 +127,8 @@ def heal_model(model, original, train_ids: torch.Tensor, eval_ids: torch.Tensor,
     original.requires_grad_(False)
     for name, p in model.named_parameters():
         p.requires_grad_(name in trainable)
-    optimizer = torch.optim.AdamW(list(trainable.values()), lr=opts.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(relative_groups(trainable.values(), opts.lr), weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, opts.steps))
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(opts.seed))
     losses, start = [], time.perf_counter()
     was_training = model.training
@@ -111,6 +144,7 @@ def heal_model(model, original, train_ids: torch.Tensor, eval_ids: torch.Tensor,
             loss.backward()
             torch.nn.utils.clip_grad_norm_(list(trainable.values()), 1.0)
             optimizer.step()
+            schedule.step()
             losses.append(loss.item())
             bar.set_postfix(kl=f"{losses[-1]:.4f}")
     finally:
@@ -184,7 +218,9 @@ def heal(model_or_path, texts, *, original=None, eval_texts=None, output=None, *
     model_or_path: a converted MLA model (an nn.Module, e.g. from `convert.to_mla`;
     healed in place) or a directory written by `convert gqa2mla` (loaded, healed and
     written to `output`, default `<dir>-healed`, atomically; `force=True` replaces
-    only a directory convert wrote). texts: token ids (1, N); for a directory also a
+    only a directory convert wrote), an export (`--target transformers/vllm`) included:
+    it is healed as its transformers twin (`convert.verify.load_export`) and written under
+    its own tensor names, so vLLM serves the healed weights as it served the export. texts: token ids (1, N); for a directory also a
     UTF-8 text file, or several, tokenized with its tokenizer. original: the original
     model (nn.Module) or its checkpoint path; for a directory, default the one its
     verification.json names. eval_texts: held-out
@@ -223,23 +259,18 @@ def default_healed_output(converted: Path) -> Path:
 
 def _heal_directory(converted: Path, texts, original, eval_texts, output, opts: HealOptions) -> HealResult:
     from convert.io import CheckpointWriter, output_lock, parse_size
-    from convert.mla.model import load_mla_model, read_mla_config, weight_files
+    from convert.mla.model import read_mla_config, weight_files
+    from convert.verify import is_export
 
-    exported = converted / "config.json"
-    if exported.is_file() and "convert_export" in json.loads(exported.read_text()):
-        raise ConvertError(
-            f"{converted} is a DeepSeek-V3 export (--target transformers/vllm); healing it is not implemented: "
-            "heal the --target mla conversion instead (convert.heal on convert.to_mla's model)"
-        )
-    config = read_mla_config(converted)
+    export = is_export(converted)
+    config = json.loads((converted / "config.json").read_text()) if export else read_mla_config(converted)
     original_path = _original_of(converted, original)
     output = Path(output) if output is not None else default_healed_output(converted)
-    text_inputs = [
-        t for t in ([texts] if isinstance(texts, (str, Path)) else texts or []) if isinstance(t, (str, Path))
-    ]
+    given = [] if texts is None or isinstance(texts, torch.Tensor) else texts
+    text_inputs = [t for t in ([given] if isinstance(given, (str, Path)) else given) if isinstance(t, (str, Path))]
     with output_lock(output, [converted, original_path, *text_inputs], opts.force):
         device = opts.torch_device
-        model = load_mla_model(converted, device=device, dtype=torch.float32)
+        model = _load_converted(converted, config, export, device)
         orig_model = _load_original(original_path, model)
         vocab = config["vocab_size"]
         ids = _token_ids(texts, converted, vocab, opts.tokens, "--text")
@@ -255,7 +286,9 @@ def _heal_directory(converted: Path, texts, original, eval_texts, output, opts: 
                     sliced = f.get_slice(name)
                     dtypes[name] = _DTYPES[sliced.get_dtype()]
                     layout[name] = (tuple(sliced.get_shape()), dtypes[name])
-        metadata = {"format": "pt", "mla_format_version": str(config["mla"]["format_version"])}
+        metadata = {"format": "pt"}
+        if not export:
+            metadata["mla_format_version"] = str(config["mla"]["format_version"])
         with CheckpointWriter(output, layout, parse_size(opts.max_shard_size), opts.force, metadata) as writer:
             for name in layout:
                 writer.write(name, state[name].detach().to("cpu", dtypes[name]).contiguous())
@@ -266,6 +299,19 @@ def _heal_directory(converted: Path, texts, original, eval_texts, output, opts: 
             writer.write_text("healing.md", render_markdown(report))
             final = writer.commit()
     return HealResult(model, report, final)
+
+
+def _load_converted(converted: Path, config: dict, export: bool, device) -> torch.nn.Module:
+    """The converted model to train, in float32: the MLA model, or an export's transformers twin
+    (`DeepseekV3ForCausalLM`, a vllm export with vLLM's latent-norm eps, so what is trained is
+    what vLLM serves)."""
+    from convert.mla.model import load_mla_model
+
+    if not export:
+        return load_mla_model(converted, device=device, dtype=torch.float32)
+    from convert.verify import load_export
+
+    return load_export(converted, config["convert_export"], device, torch.float32)
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}

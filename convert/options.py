@@ -343,7 +343,11 @@ class HealOptions(_FromKwargs):
     Every field is a flag of `convert heal` and a keyword of `convert.heal`."""
 
     steps: int = option(100, "Optimizer steps (one window of --text each).")
-    lr: float = option(1e-4, "AdamW learning rate of the MLA projections.")
+    lr: float = option(
+        1e-3,
+        "AdamW learning rate of the MLA projections, relative: each tensor's is this times its RMS "
+        "(warmed up over 10 steps, then a cosine to 0).",
+    )
     window: int = option(256, "Tokens per training window.")
     eval_window: int = option(1024, "Tokens per window of the before/after perplexity.")
     tokens: int = option(8192, "Tokens of --text to use (the last eighth is held out unless --eval-text).")
@@ -360,7 +364,7 @@ class HealOptions(_FromKwargs):
         if self.steps < 1:
             raise ConvertError(f"--steps {self.steps} must be at least 1")
         if not self.lr > 0:
-            raise ConvertError(f"--lr {self.lr} must be a positive learning rate (e.g. 1e-4)")
+            raise ConvertError(f"--lr {self.lr} must be a positive learning rate (e.g. 1e-3)")
         if self.window < 2 or self.eval_window < 2:
             raise ConvertError(f"--window {self.window} / --eval-window {self.eval_window}: at least 2 tokens each")
         if self.tokens < 4:

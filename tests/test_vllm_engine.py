@@ -29,14 +29,17 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 
 
 @pytest.mark.parametrize(
-    "hidden, n_heads, n_kv_heads, head_dim, rope",
+    "hidden, n_heads, n_kv_heads, head_dim, rope, healed",
     [
-        (192, 6, 3, 64, None),  # SmolLM2's attention shape
-        (1024, 16, 8, 128, None),  # Mistral-7B's: folded frequencies, a compressed latent
-        (192, 6, 3, 64, LLAMA3 | {"original_max_position_embeddings": 64, "rope_theta": 10000.0}),  # as DeepSeek-YaRN
+        (192, 6, 3, 64, None, False),  # SmolLM2's attention shape
+        (1024, 16, 8, 128, None, False),  # Mistral-7B's: folded frequencies, a compressed latent
+        (192, 6, 3, 64, LLAMA3 | {"original_max_position_embeddings": 64, "rope_theta": 10000.0}, False),  # YaRN
+        (192, 6, 3, 64, None, True),  # the export healed through its transformers twin (convert.heal)
     ],
 )
-def test_vllm_serves_the_export_as_transformers_computes_it(tmp_path, hidden, n_heads, n_kv_heads, head_dim, rope):
+def test_vllm_serves_the_export_as_transformers_computes_it(
+    tmp_path, hidden, n_heads, n_kv_heads, head_dim, rope, healed
+):
     torch.manual_seed(0)
     config = LlamaConfig(
         hidden_size=hidden,
@@ -55,6 +58,12 @@ def test_vllm_serves_the_export_as_transformers_computes_it(tmp_path, hidden, n_
     out = tmp_path / "out"
     convert.gqa2mla(tmp_path / "src", out, target="vllm", calib=calib, verify=False, progress=False)
     exported = json.loads((out / "config.json").read_text())["convert_export"]
+    if healed:  # trained as transformers runs it: vLLM must serve what was trained
+        ids = torch.randint(0, 256, (1, 2048))
+        result = convert.heal(out, ids, original=tmp_path / "src", output=tmp_path / "healed", steps=10, lr=1e-2,
+                              window=128, progress=False, device="cpu")  # fmt: skip
+        assert result.report["after"]["kl_mean"] != result.report["before"]["kl_mean"]  # the weights moved
+        out = result.output
     assert exported["latent_compressed"] == (head_dim == 128)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (60, 33)]
     job = tmp_path / "job.json"

@@ -198,7 +198,7 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
                 f"verifying an export loads both whole models, which do not fit ({why}); use --no-verify"
             )
         export = (conv.config or {}).get("convert_export", {})
-        load = lambda device, dtype: _load_export(exported, export, device, dtype)
+        load = lambda device, dtype: load_export(exported, export, device, dtype)
         e2e = end_to_end(orig, load, config, ids, device, dtype, ckpt_dtype, model_tokenizer(orig.root))
         limits = thresholds(coarsest(dtype, ckpt_dtype, torch.float32), opts.max_ppl_ratio)
         inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(opts.text, ids)}
@@ -209,7 +209,7 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
     return report
 
 
-def _load_export(path, export: dict, device, dtype):
+def load_export(path, export: dict, device, dtype):
     """An export as stock transformers loads it; a vllm export with vLLM's latent-norm eps."""
     from convert.hf import load_pretrained
 
