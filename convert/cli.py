@@ -197,10 +197,11 @@ def heal(converted, texts, eval_text, original, output, **options):
     """Heal CONVERTED (a directory written by `convert gqa2mla`): distil its MLA projections
     toward the original model's logits (KL on --text), everything else frozen.
 
-    A --target transformers/vllm export is healed as transformers' DeepseekV3 runs it (a vllm
-    one with vLLM's latent-norm eps) and written under the same names: serve the healed
-    directory as you would the export. The healed checkpoint is written to a new directory, atomically, with its report
-    (healing.json/.md: perplexity and KL before and after, on held-out tokens).
+    The healed checkpoint is written to a new directory, atomically, with its report
+    (healing.json/.md: perplexity and KL before and after, on held-out tokens). A --target
+    transformers/vllm export is healed as transformers' DeepseekV3 runs it (a vllm one with
+    vLLM's latent-norm eps) and written under the same names: serve the healed directory as
+    you would the export.
     """
     from convert.healing import heal as run
 

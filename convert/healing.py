@@ -220,8 +220,8 @@ def heal(model_or_path, texts, *, original=None, eval_texts=None, output=None, *
     written to `output`, default `<dir>-healed`, atomically; `force=True` replaces
     only a directory convert wrote), an export (`--target transformers/vllm`) included:
     it is healed as its transformers twin (`convert.verify.load_export`) and written under
-    its own tensor names, so vLLM serves the healed weights as it served the export. texts: token ids (1, N); for a directory also a
-    UTF-8 text file, or several, tokenized with its tokenizer. original: the original
+    its own tensor names, so vLLM serves the healed weights as it served the export.
+    texts: token ids (1, N); for a directory also a UTF-8 text file, or several, tokenized with its tokenizer. original: the original
     model (nn.Module) or its checkpoint path; for a directory, default the one its
     verification.json names. eval_texts: held-out
     text (default: the last eighth of `texts`). options: the fields of `HealOptions`
