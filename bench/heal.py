@@ -111,8 +111,9 @@ def main(argv=None):
             }
             rows.append(row)
             _common.write_json(args.out, result)  # after every row: a long run keeps what it measured
+            cache = "vLLM's" if ratio is None else f"{ratio:.2f}"
             print(
-                f"{layout:9s} {ratio or 1:4.2f} ×{row['ppl_ratio_before']:.3f} -> ×{row['ppl_ratio_after']:.3f} "
+                f"{layout:9s} {cache:6s} ×{row['ppl_ratio_before']:.3f} -> ×{row['ppl_ratio_after']:.3f} "
                 f"(KL {row['kl_before']:.4f} -> {row['kl_after']:.4f}; heal {row['heal_s']:.0f} s)",
                 flush=True,
             )

@@ -17,7 +17,8 @@ from convert.cli import main
 from conftest import TINY_LLAMA, hf_model
 
 # Random tokens: with few training tokens the model memorises them and the held-out KL barely
-# moves; 8k tokens in windows of 64 generalise (held-out KL 0.61 -> 0.46 on this fixture).
+# moves; 8k tokens in windows of 64 generalise (held-out KL 0.56 -> 0.40 on this fixture at a
+# relative lr of 2e-2).
 HEAL = {"steps": 100, "lr": 2e-2, "window": 64, "tokens": 8192, "progress": False, "device": "cpu"}
 
 
