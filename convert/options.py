@@ -211,7 +211,7 @@ class ConvertOptions(VerifyOptions):
         choices=CALIBRATIONS,
     )
     nope_angle: float = option(
-        0.75,
+        3.0,
         "Absorbed compression with RoPE: key frequencies that turn less than this many radians over "
         "min(max_position_embeddings, 4096) tokens are cached as NoPE dims, compressed freely across "
         "frequencies and heads (the rest stay per-frequency rotary pairs); 0 keeps every frequency rotary.",
@@ -342,7 +342,7 @@ class HealOptions(_FromKwargs):
     """How `heal` trains: KL distillation of the MLA projections toward the original model.
     Every field is a flag of `convert heal` and a keyword of `convert.heal`."""
 
-    steps: int = option(100, "Optimizer steps (one window of --text each).")
+    steps: int = option(200, "Optimizer steps (one window of --text each).")
     lr: float = option(
         1e-3,
         "AdamW learning rate of the MLA projections, relative: each tensor's is this times its RMS "
@@ -350,7 +350,7 @@ class HealOptions(_FromKwargs):
     )
     window: int = option(256, "Tokens per training window.")
     eval_window: int = option(1024, "Tokens per window of the before/after perplexity.")
-    tokens: int = option(8192, "Tokens of --text to use (the last eighth is held out unless --eval-text).")
+    tokens: int = option(16384, "Tokens of --text to use (the last eighth is held out unless --eval-text).")
     seed: int = option(0, "Seed of the window order.")
     device: str = option("auto", "Where to train: auto = CUDA when present, else CPU.", choices=DEVICES)
     max_shard_size: int | str = option("5GB", "Start a new safetensors shard above this many bytes.", kind=str)
