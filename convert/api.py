@@ -306,21 +306,45 @@ def to_mla(model, **options):
     module, with the same weights, as `load_mla_model` returns for the directory
     `gqa2mla` writes from this model: on the model's device, in its dtype, in eval
     mode, an `nn.Module` whose `forward(input_ids, labels=...)` gives the usual loss.
-    No disk is involved.
+    With target="transformers" or "vllm" it is the export's DeepseekV3ForCausalLM, as
+    `convert.verify.load_export` loads the directory `gqa2mla` writes (the vllm export
+    with vLLM's latent-norm eps), to train or evaluate in memory; to serve healed weights,
+    heal the written export (`heal(export_dir, ...)`). No disk is involved.
     """
     from convert.mla.model import build_mla_model
 
-    opts = ConvertOptions.from_kwargs(**options)
-    if opts.target != "mla":
-        raise ConvertError(
-            f"to_mla builds this package's MLA model (target mla); --target {opts.target} writes a checkpoint "
-            "directory: use convert.gqa2mla(src, output, target=...)"
-        )
+    opts = ConvertOptions.from_kwargs(**{"progress": False, **options})
     parameter = next(model.parameters())
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    if opts.target != "mla":
+        return _export_model(state, model.config, opts, parameter.dtype).to(parameter.device)
     converted = convert_state_dict(state, model.config, **options)
     mla_model = build_mla_model(converted.config, converted, dtype=parameter.dtype)
     return mla_model.to(parameter.device)
+
+
+def _export_model(state: dict[str, torch.Tensor], config, opts: ConvertOptions, dtype: torch.dtype):
+    """`to_mla`'s export targets: the DeepseekV3ForCausalLM of --target transformers or vllm, built
+    from the source's state dict in memory, after the same refusals as a conversion."""
+    from convert.hf import build_causal_lm, load_strict
+
+    config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    source = attention_view(StateDictSource(state, config), config)
+    resolve_spec(source, config, opts)  # the same checks and refusals as the mla target
+    if opts.target == "transformers":
+        from convert.targets import to_deepseek_v3
+
+        tensors, export_config = to_deepseek_v3(state, config)
+    else:
+        _, export_config, tensors = _vllm_tensors(source, state, opts)
+        tensors = dict(tensors)
+    export = build_causal_lm(export_config, dtype)
+    load_strict(export, tensors, f"the --target {opts.target} export")
+    if opts.target == "vllm":
+        from convert.targets.vllm import match_vllm_norms
+
+        match_vllm_norms(export)
+    return export.eval()
 
 
 # ------------------------------------------------------------------ files
@@ -442,6 +466,17 @@ VLLM_CALIBRATION = "original"
 def _export_vllm(src: Path, source: Checkpoint, output: Path, opts: ConvertOptions, start: float):
     """`--target vllm`: a DeepseekV3ForCausalLM in vLLM's MLA shape (convert.targets.vllm); calibrated
     on --calib when there is more than one key/value head. Every refusal comes before calibration."""
+    source_spec = resolve_spec(source, source.config, opts)  # the same checks and refusals as the mla target
+    state_dict = LazyTensors(source)  # read a tensor at a time as the export writes it
+    layout, config, tensors = _vllm_tensors(source, state_dict, opts)
+    notes = lambda: [vllm_note(config["convert_export"])]  # complete once every tensor is written
+    return _write_export(src, source, output, opts, start, layout, tensors, config, notes, source_spec)
+
+
+def _vllm_tensors(source, state_dict, opts: ConvertOptions):
+    """The vllm export of `source` (a checkpoint or an in-memory source) as `vllm_export` gives it:
+    (layout, config_dict, an iterator of (name, tensor)), calibrated on --calib when given.
+    state_dict: the source's tensors by name (read lazily from a checkpoint)."""
     from convert.targets.vllm import (
         SequentialLatents,
         check_vllm_exportable,
@@ -452,17 +487,12 @@ def _export_vllm(src: Path, source: Checkpoint, output: Path, opts: ConvertOptio
         vllm_export,
     )
 
-    source_spec = resolve_spec(source, source.config, opts)  # the same checks and refusals as the mla target
-    state_dict = LazyTensors(source)  # read a tensor at a time as the export writes it
     config, src_view, spec = resolve_vllm_spec(state_dict, source.config or {})
     dtype = src_view.dtype(spec.tensor(0, "q"))
     check_vllm_exportable(config, spec, src_view, dtype, opts.calib is not None or not needs_calibration(spec, config))
     stats = sequential = None
     if opts.calib is not None:
-        ids = opts.calib
-        if not isinstance(ids, torch.Tensor):
-            ids = text_token_ids(Path(opts.calib), source.root, config["vocab_size"], opts.calib_tokens, what="--calib")
-        ids = ids[:, : opts.calib_tokens]
+        ids = _calib_ids(source, opts)
         bar = _bar("calibrating", "layer", opts.progress)
         observe = rotation_fit_observer(src_view, spec, config) if needs_calibration(spec, config) else None
         stats = compress.calibrate(source, config, ids, spec.n_layers, progress=bar, observe=observe)
@@ -474,9 +504,7 @@ def _export_vllm(src: Path, source: Checkpoint, output: Path, opts: ConvertOptio
                 layer_stats.key_fisher, layer_stats.value_fisher = layer_fisher.key_fisher, layer_fisher.value_fisher
             if (opts.calibration or VLLM_CALIBRATION) == "sequential":
                 sequential = SequentialLatents(getattr(source, "module_source", source), config, ids)
-    layout, config, tensors = vllm_export(state_dict, config, stats, sequential=sequential)
-    notes = lambda: [vllm_note(config["convert_export"])]  # complete once every tensor is written
-    return _write_export(src, source, output, opts, start, layout, tensors, config, notes, source_spec)
+    return vllm_export(state_dict, config, stats, sequential=sequential)
 
 
 def vllm_note(info: dict) -> str:

@@ -1,6 +1,9 @@
 """`convert.to_mla(model, **options)`: a live transformers model converted in memory is the
 same module, with the same weights and logits, as `load_mla_model` of the directory
-`gqa2mla` writes from that model saved to disk; and it trains in an ordinary loop."""
+`gqa2mla` writes from that model saved to disk (an export target's: the DeepseekV3 model
+`load_export` reads); and it trains in an ordinary loop."""
+
+import json
 
 import pytest
 import torch
@@ -74,6 +77,41 @@ def test_to_mla_trains_in_an_ordinary_loop():
     assert model(ids, labels=ids).loss.item() < loss.item()
 
 
-def test_to_mla_refuses_an_export_target():
-    with pytest.raises(convert.ConvertError, match="to_mla builds"):
-        convert.to_mla(hf_model("llama"), target="transformers")
+@pytest.mark.parametrize("target", ["transformers", "vllm"])
+def test_to_mla_export_target_equals_the_loaded_export(tmp_path, target):
+    """An export target in memory is the DeepseekV3ForCausalLM `load_export` reads from the
+    directory `gqa2mla` writes: the same tensors and logits (the vllm one calibrated, G = 3)."""
+    from test_target_vllm import tiny_llama
+
+    from convert.verify import load_export
+
+    model = tiny_llama(3) if target == "vllm" else hf_model("llama")
+    model.save_pretrained(tmp_path / "src", safe_serialization=True)
+    options = {"target": target} | ({"calib": _calib_ids()} if target == "vllm" else {})
+    in_memory = convert.to_mla(model, **options)
+    convert.gqa2mla(tmp_path / "src", tmp_path / "out", verify=False, progress=False, **options)
+    export = json.loads((tmp_path / "out" / "config.json").read_text())["convert_export"]
+    from_disk = load_export(tmp_path / "out", export, "cpu", torch.float32)
+
+    assert type(in_memory).__name__ == "DeepseekV3ForCausalLM" and type(in_memory) is type(from_disk)
+    got, want = in_memory.state_dict(), from_disk.state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    eps = {m.variance_epsilon for name, m in in_memory.named_modules() if name.endswith("kv_a_layernorm")}
+    assert len(eps) == 1 and eps == {
+        m.variance_epsilon for name, m in from_disk.named_modules() if name.endswith("kv_a_layernorm")
+    }
+    ids = _calib_ids(24)
+    with torch.no_grad():
+        assert torch.equal(in_memory(ids).logits, from_disk(ids).logits)
+        if target == "transformers":  # exact: it reproduces the original
+            ref = model(ids).logits
+            assert float((in_memory(ids).logits - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_to_mla_vllm_refuses_as_the_cli_does():
+    from test_target_vllm import tiny_llama
+
+    with pytest.raises(convert.ConvertError, match="calib"):
+        convert.to_mla(tiny_llama(3), target="vllm")
