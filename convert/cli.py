@@ -204,15 +204,19 @@ def heal(converted, texts, eval_text, original, output, **options):
     you would the export.
     """
     from convert.healing import heal as run
+    from convert.healing import healing_warnings
 
     result = run(converted, list(texts), original=original, eval_texts=eval_text, output=output, **options)
     if options["progress"]:
         before, after = result.report["before"], result.report["after"]
         click.echo(f"wrote {result.output}")
         click.echo(
-            f"perplexity ratio to the original: {before['ppl_ratio']:.4f} -> {after['ppl_ratio']:.4f} "
+            f"perplexity ratio to the original: {before['ppl_ratio']:.4f} -> {after['ppl_ratio']:.4f}, "
+            f"KL {before['kl_mean']:.4g} -> {after['kl_mean']:.4g} "
             f"({result.report['eval_tokens']} held-out tokens; {result.output / 'healing.md'})"
         )
+    for warning in healing_warnings(result.report):
+        click.echo(f"warning: {warning}", err=True)
 
 
 if __name__ == "__main__":

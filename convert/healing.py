@@ -340,6 +340,21 @@ def render_markdown(report: dict) -> str:
         *(f"| {label} | {b:.6g} | {a:.6g} |" for label, b, a in rows),
         "",
     ]
-    if not math.isfinite(after["ppl_converted"]) or after["ppl_ratio"] > before["ppl_ratio"]:
-        lines.append("**Healing made the held-out perplexity worse**: lower --lr or fewer --steps.\n")
+    lines += [f"**{warning}**\n" for warning in healing_warnings(report)]
     return "\n".join(lines)
+
+
+def healing_warnings(report: dict) -> list[str]:
+    """What went wrong on the held-out tokens: perplexity worse, or the model further from the
+    original (KL up, even where the perplexity fell: it fit the healing text's style instead)."""
+    before, after = report["before"], report["after"]
+    warnings = []
+    if not math.isfinite(after["ppl_converted"]) or after["ppl_ratio"] > before["ppl_ratio"]:
+        warnings.append("Healing made the held-out perplexity worse: lower --lr or fewer --steps.")
+    if not after["kl_mean"] <= before["kl_mean"]:
+        warnings.append(
+            f"Healing moved the model away from the original on the held-out tokens (KL {before['kl_mean']:.4g} -> "
+            f"{after['kl_mean']:.4g}): it fit the healing text, not the original's distribution; heal on more, "
+            "unseen text, with a lower --lr or fewer --steps, or keep the unhealed model."
+        )
+    return warnings
