@@ -1,5 +1,6 @@
-"""Healing on SmolLM2-135M: perplexity of a compressed conversion before and after
-`convert.heal` (KL distillation of the MLA projections toward the original).
+"""Healing on SmolLM2-135M (or, with --model gemma3, Gemma 3 270M): perplexity of a
+compressed conversion before and after `convert.heal` (KL distillation of the MLA
+projections toward the original).
 
 One-shot conversions as in bench/compression.py (Fisher calibration on *Pride and
 Prejudice*), healed on further tokens of the same novel (disjoint from nothing on the
@@ -8,6 +9,7 @@ tuned on the evaluation text.
 
     python bench/heal.py                                  # 25% cache, both layouts (~15 min on 2 cores)
     python bench/heal.py --ratios 0.5 --layouts factored --steps 100
+    python bench/heal.py --model gemma3 --layouts factored --out bench/results/heal_gemma3.json
     python bench/heal.py --layouts vllm --workdir /tmp    # the --target vllm export, healed through its
                                                           # transformers twin (written, healed, written)
 """
@@ -29,9 +31,13 @@ import realdata  # noqa: E402
 
 import convert  # noqa: E402
 
+#: The real models healed (the fixture directories of bench/compression.py's MODELS).
+MODELS = {"smollm2": realdata.smollm2_dir, "gemma3": realdata.gemma3_dir}
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     p.add_argument("--calib-book", default="prideprejudice")
     p.add_argument("--eval-book", default="emma")
     p.add_argument("--calib-tokens", type=int, default=4096)
@@ -54,7 +60,7 @@ def main(argv=None):
     args = parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = realdata.smollm2_dir()
+    src = MODELS[args.model]()
     tokenizer = AutoTokenizer.from_pretrained(src)
     original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     book = tokenizer(realdata.austen_text(args.calib_book))["input_ids"]
@@ -64,6 +70,7 @@ def main(argv=None):
     rows = []
     result = _common.header("heal", "cpu", {"quiet": None})
     result |= {
+        "model": args.model,
         "calib": {"book": args.calib_book, "tokens": calib_ids.shape[-1]},
         "heal": {
             "book": args.calib_book,
