@@ -224,8 +224,8 @@ def test_heal_a_live_vllm_twin_from_to_mla():
 
 
 def test_the_report_warns_when_healing_moves_away_from_the_original():
-    """Perplexity can fall while the KL to the original rises (the model fits the healing text's
-    style, as SmolLM2 at 75% of the cache did: ×1.019 -> ×0.981, KL 0.026 -> 0.043): say so."""
+    """Perplexity can fall while the KL to the original rises (SmolLM2 at 75% of the cache, at the
+    default rate: ×1.019 -> ×0.981, KL 0.026 -> 0.043): say so, as when perplexity gets worse."""
     from convert.healing import healing_warnings, render_markdown
 
     def report(ppl_ratio: float, kl: float) -> dict:
