@@ -20,7 +20,7 @@ sys.path.insert(0, str(HERE.parent / "fixtures"))
 
 import realdata  # noqa: E402
 
-from convert.plan import STATIC_SPAN  # noqa: E402
+from convert.plan import STATIC_SPAN, held_frequencies  # noqa: E402
 from convert.verify.e2e import perplexity  # noqa: E402
 
 
@@ -43,10 +43,11 @@ def main(argv=None):
     base = perplexity(model, ids, args.window)
     print(f"original perplexity on {args.eval_book} ({ids.shape[-1]} tokens): {base:.4f}")
     for angle in (float(a) for a in args.angles.split(",")):
-        static = inv_freq * span < angle  # (d/2,) the frequencies --nope-angle caches as NoPE
-        rotary.inv_freq = torch.where(static, torch.zeros_like(inv_freq), inv_freq)
+        static = list(held_frequencies(inv_freq, span, angle))  # what --nope-angle caches as NoPE
+        rotary.inv_freq = inv_freq.clone()
+        rotary.inv_freq[static] = 0.0
         ppl = perplexity(model, ids, args.window)
-        print(f"--nope-angle {angle:g}: {int(static.sum())} of {len(inv_freq)} frequencies held, ppl ×{ppl / base:.4f}")
+        print(f"--nope-angle {angle:g}: {len(static)} of {len(inv_freq)} frequencies held, ppl ×{ppl / base:.4f}")
     rotary.inv_freq = inv_freq
 
 

@@ -410,7 +410,11 @@ def static_frequencies(spec: AttentionSpec, config: dict, angle: float) -> tuple
     inv_freq = getattr(rotary, "inv_freq", None)
     if inv_freq is None:  # a rotary embedding per layer type (Gemma 3): keep every frequency rotary
         return ()
-    span = min(config.get("max_position_embeddings") or STATIC_SPAN, STATIC_SPAN)
+    return held_frequencies(inv_freq, min(config.get("max_position_embeddings") or STATIC_SPAN, STATIC_SPAN), angle)
+
+
+def held_frequencies(inv_freq: torch.Tensor, span: int, angle: float) -> tuple[int, ...]:
+    """The frequencies j of inv_freq (d/2,) that turn less than `angle` radians over `span` tokens."""
     return tuple(int(j) for j in torch.nonzero(inv_freq.double() * span < angle)[:, 0])
 
 
