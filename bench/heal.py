@@ -52,6 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=1e-3, help="relative (convert heal --lr)")
     p.add_argument("--window", type=int, default=256)
+    p.add_argument("--check-every", type=int, default=25, help="convert heal --check-every (0: no checks)")
     p.add_argument("--out", type=Path, default=HERE / "results" / "heal.json")
     return p.parse_args(argv)
 
@@ -78,6 +79,7 @@ def main(argv=None):
             "steps": args.steps,
             "lr": args.lr,
             "window": args.window,
+            "check_every": args.check_every,
         },
         "eval": {"book": args.eval_book, "tokens": eval_ids.shape[-1], "window": 1024},
         "rows": rows,
@@ -87,7 +89,7 @@ def main(argv=None):
             t0 = time.perf_counter()
             heal_options = dict(
                 eval_texts=eval_ids, steps=args.steps, lr=args.lr, window=args.window, tokens=args.heal_tokens,
-                device="cpu",
+                check_every=args.check_every, device="cpu",
             )  # fmt: skip
             if layout == "vllm":  # the export's directory: healed through its transformers twin, written
                 with tempfile.TemporaryDirectory(dir=args.workdir) as work:
@@ -115,6 +117,8 @@ def main(argv=None):
                 "kl_after": report["after"]["kl_mean"],
                 "train_kl_first": report["train_kl_first"],
                 "train_kl_last": report["train_kl_last"],
+                "train_tokens": report["train_tokens"],
+                "checks": report["checks"],
             }
             rows.append(row)
             _common.write_json(args.out, result)  # after every row: a long run keeps what it measured

@@ -351,6 +351,11 @@ class HealOptions(_FromKwargs):
     window: int = option(256, "Tokens per training window.")
     eval_window: int = option(1024, "Tokens per window of the before/after perplexity.")
     tokens: int = option(16384, "Tokens of --text to use (the last eighth is held out unless --eval-text).")
+    check_every: int = option(
+        25,
+        "Every N steps, measure the KL on a slice of --text held out from training (its last sixteenth): "
+        "keep the best weights, and when the KL got worse go back to them at half the rate. 0: no checks.",
+    )
     seed: int = option(0, "Seed of the window order.")
     device: str = option("auto", "Where to train: auto = CUDA when present, else CPU.", choices=DEVICES)
     max_shard_size: int | str = option("5GB", "Start a new safetensors shard above this many bytes.", kind=str)
@@ -369,6 +374,8 @@ class HealOptions(_FromKwargs):
             raise ConvertError(f"--window {self.window} / --eval-window {self.eval_window}: at least 2 tokens each")
         if self.tokens < 4:
             raise ConvertError(f"--tokens {self.tokens} must be at least 4")
+        if self.check_every < 0:
+            raise ConvertError(f"--check-every {self.check_every} must be 0 (no checks) or a number of steps")
 
     @property
     def torch_device(self) -> torch.device:
