@@ -215,6 +215,12 @@ def heal(converted, texts, eval_text, original, output, **options):
             f"KL {before['kl_mean']:.4g} -> {after['kl_mean']:.4g} "
             f"({result.report['eval_tokens']} held-out tokens; {result.output / 'healing.md'})"
         )
+        checks = result.report["checks"]
+        if checks:
+            click.echo(
+                f"kept the weights of step {checks['best_step']} of {result.report['steps']}, the best on "
+                f"{checks['tokens']} check tokens of --text (rate halved {checks['halvings']} times)"
+            )
     for warning in healing_warnings(result.report):
         click.echo(f"warning: {warning}", err=True)
 

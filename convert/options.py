@@ -350,7 +350,11 @@ class HealOptions(_FromKwargs):
     )
     window: int = option(256, "Tokens per training window.")
     eval_window: int = option(1024, "Tokens per window of the before/after perplexity.")
-    tokens: int = option(16384, "Tokens of --text to use (the last eighth is held out unless --eval-text).")
+    tokens: int = option(
+        16384,
+        "Tokens of --text to use (the last eighth is held out unless --eval-text; of the rest, the last "
+        "sixteenth is kept for --check-every).",
+    )
     check_every: int = option(
         25,
         "Every N steps, measure the KL on a slice of --text held out from training (its last sixteenth): "

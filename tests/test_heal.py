@@ -61,6 +61,49 @@ def test_heal_needs_the_original_for_a_module():
         convert.heal(model, _ids(64, 0), **HEAL)
 
 
+def test_checks_keep_a_diverging_heal_no_worse_than_the_unhealed_model():
+    """At a rate far too high the KL blows up. The checks go back to the best weights at half the
+    rate, so what is kept is the best model measured on the check tokens (the last sixteenth of
+    the training ids), never one further from the original than the unhealed one."""
+    from convert.healing import held_out_kl
+
+    original, ids = hf_model("llama"), _ids(4096, 1)
+    reports = {}
+    for every in (0, 10):
+        model = convert.to_mla(original, layout="factored", kv_cache_ratio=0.5, method="svd")
+        options = HEAL | {"steps": 40, "lr": 3.0, "check_every": every}
+        reports[every] = convert.heal(model, ids, original=original, eval_texts=_ids(256, 2), **options).report
+    unchecked, checked = reports[0], reports[10]
+    assert unchecked["after"]["kl_mean"] > 1.3 * unchecked["before"]["kl_mean"]  # this rate overshoots
+    checks = checked["checks"]
+    assert [h["step"] for h in checks["history"]] == [0, 10, 20, 30, 40]
+    assert checks["halvings"] >= 1 and checks["best_kl"] <= checks["history"][0]["kl"]
+    assert checks["best_step"] == 0 and checked["after"] == checked["before"]  # nothing better: unhealed
+    kept = held_out_kl(original, model, ids[:, -(4096 // 16) :], HEAL["window"])
+    assert kept == pytest.approx(checks["best_kl"], rel=1e-5)  # the weights kept are the best checked
+
+
+def test_backtracking_goes_back_to_the_best_weights_at_half_the_rate():
+    from convert.healing import Backtracking
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.AdamW([p], lr=1.0)
+    kls = iter([1.0, 0.5, 0.7, 0.4])
+    track = Backtracking({"p": p}, optimizer, lambda: next(kls))
+    with torch.no_grad():
+        p.fill_(1.0)
+        track.check(1)  # better: kept
+        p.fill_(2.0)
+        optimizer.state[p]["exp_avg"] = torch.ones(3)
+        track.check(2)  # worse: back to the step-1 weights, moments cleared, rate halved
+        assert torch.equal(p, torch.ones(3)) and not optimizer.state and track.scale == 0.5
+        p.fill_(3.0)
+        track.check(3)
+    report = track.report(tokens=8)
+    assert (report["best_step"], report["best_kl"], report["halvings"]) == (3, 0.4, 1)
+    assert [h["scale"] for h in report["history"]] == [1.0, 1.0, 1.0, 0.5]
+
+
 # ------------------------------------------------------------------ the command line
 
 
@@ -88,12 +131,16 @@ def test_cli_heal_writes_a_loadable_healed_directory(compressed, tmp_path):
     out = tmp_path / "healed"
     result = _run(
         "heal", converted, "--text", train, "--eval-text", held, "--original", src, "-o", out,
-        "--steps", 20, "--lr", 2e-2, "--window", 64, "--device", "cpu", "-q",
+        "--steps", 20, "--lr", 2e-2, "--window", 64, "--device", "cpu", "--check-every", 5,
     )  # fmt: skip
     assert result.exit_code == 0, (result.output, result.exception)
     report = json.loads((out / "healing.json").read_text())
+    assert [h["step"] for h in report["checks"]["history"]] == [0, 5, 10, 15, 20]
+    summary = f"kept the weights of step {report['checks']['best_step']} of 20, the best on"
+    assert f"wrote {out}" in result.stdout and summary in result.stdout, result.stdout
     assert report["after"]["kl_mean"] < report["before"]["kl_mean"]
     assert "Healing report" in (out / "healing.md").read_text()
+    assert "Checked every few steps" in (out / "healing.md").read_text() and report["checks"]["history"]
     assert json.loads((out / "config.json").read_text()) == json.loads((converted / "config.json").read_text())
     healed, unhealed = convert.load_mla_model(out), convert.load_mla_model(converted)
     moved = [n for n, t in healed.state_dict().items() if not torch.equal(t, unhealed.state_dict()[n])]
@@ -122,6 +169,10 @@ def test_cli_heal_refusals(compressed, tmp_path):
     _heal_fails(tmp_path, src, "--text", train, "--original", src, "-o", out, must_name=["mla"])
     # bad option values
     _heal_fails(tmp_path, converted, "--text", train, "--original", src, "-o", out, "--steps", 0, must_name=["--steps"])
+    _heal_fails(
+        tmp_path, converted, "--text", train, "--original", src, "-o", out, "--check-every", -1,
+        must_name=["--check-every"],
+    )  # fmt: skip
     _heal_fails(
         tmp_path, converted, "--text", tmp_path / "none.txt", "--original", src, "-o", out, must_name=["none.txt"]
     )
@@ -217,7 +268,9 @@ def test_heal_a_live_vllm_twin_from_to_mla():
     original = tiny_llama(3)
     twin = convert.to_mla(original, target="vllm", calib=_ids(256, 3))
     before = {name: p.detach().clone() for name, p in twin.named_parameters()}
-    result = convert.heal(twin, _ids(1024, 1), original=original, eval_texts=_ids(128, 2), **HEAL | {"steps": 5, "check_every": 0})
+    result = convert.heal(
+        twin, _ids(1024, 1), original=original, eval_texts=_ids(128, 2), **HEAL | {"steps": 5, "check_every": 0}
+    )
     assert result.model is twin and result.report["steps"] == 5
     moved = {name for name, p in twin.named_parameters() if not torch.equal(p, before[name])}
     frozen = ("_layernorm.", "kv_a_proj_with_mqa.bias")
