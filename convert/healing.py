@@ -122,7 +122,7 @@ def heal_model(model, original, train_ids: torch.Tensor, eval_ids: torch.Tensor,
     train_ids, eval_ids = train_ids.to(device), eval_ids.to(device)
     check_ids = None
     if opts.check_every:
-        train_ids, check_ids = _hold_out(train_ids, 16, "--text is too short to hold out check tokens")
+        train_ids, check_ids = _hold_out(train_ids, 16, "check tokens", "pass --check-every 0")
     windows = _windows(train_ids, opts.window)
     if not windows:
         raise ConvertError("--text: fewer than 2 training tokens; give a longer text")
@@ -204,8 +204,8 @@ class Backtracking:
     checked every few steps; a better one keeps a copy of the trained tensors, a worse one puts
     the best copy back, clears AdamW's moments and halves the rate (`scale`). One rate does
     not suit every gap: a relative 1e-3 heals SmolLM2 at 25% of the cache but overshoots at
-    75%, where the held-out KL rose 0.026 -> 0.043 and 3e-4 brought it to 0.016 (README
-    "Healing")."""
+    75%, where the held-out KL rose 0.026 -> 0.043; checked, the rate was halved twice and the KL
+    fell to 0.016 (README "Healing")."""
 
     def __init__(self, trainable: dict[str, torch.nn.Parameter], optimizer, measure) -> None:
         self.trainable, self.optimizer, self.measure = trainable, optimizer, measure
@@ -247,11 +247,11 @@ class Backtracking:
         }
 
 
-def _hold_out(ids: torch.Tensor, part: int, too_short: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ids` (1, N) split into its first tokens and its last 1/`part` (at least 2 tokens each)."""
+def _hold_out(ids: torch.Tensor, part: int, what: str, fix: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ids` (1, N) split into its first tokens and its last 1/`part`, `what` (at least 2 tokens each)."""
     n_out = max(2, ids.shape[-1] // part)
     if ids.shape[-1] - n_out < 2:
-        raise ConvertError(f"{too_short}; give a longer text")
+        raise ConvertError(f"--text is too short to hold out {what}: give a longer text or {fix}")
     return ids[:, :-n_out], ids[:, -n_out:]
 
 
@@ -259,7 +259,7 @@ def _split(ids: torch.Tensor, eval_ids: torch.Tensor | None) -> tuple[torch.Tens
     """Training and held-out tokens: `eval_ids` when given, else the last eighth of `ids`."""
     if eval_ids is not None:
         return ids, eval_ids
-    return _hold_out(ids, 8, "--text is too short to hold out evaluation tokens (or pass --eval-text)")
+    return _hold_out(ids, 8, "evaluation tokens", "pass --eval-text")
 
 
 def _token_ids(texts, root: Path | None, vocab_size: int, n_tokens: int, what: str) -> torch.Tensor:
@@ -439,7 +439,7 @@ def render_markdown(report: dict) -> str:
 def healing_warnings(report: dict) -> list[str]:
     """What went wrong on the held-out tokens: perplexity worse, or the model further from the
     original (KL up, even where the perplexity fell: SmolLM2 at 75% of the cache, whose small gap
-    the default rate overshot, README "Healing")."""
+    a rate of 1e-3 without checks overshot, README "Healing")."""
     before, after = report["before"], report["after"]
     warnings = []
     if not math.isfinite(after["ppl_converted"]) or after["ppl_ratio"] > before["ppl_ratio"]:
@@ -447,7 +447,12 @@ def healing_warnings(report: dict) -> list[str]:
     if not after["kl_mean"] <= before["kl_mean"]:
         warnings.append(
             f"Healing moved the model away from the original on the held-out tokens (KL {before['kl_mean']:.4g} -> "
-            f"{after['kl_mean']:.4g}), whatever its perplexity says: lower --lr (3e-4 for a model already within "
-            "a few percent), heal on more unseen text, or keep the unhealed model."
+            f"{after['kl_mean']:.4g}), whatever its perplexity says: heal on text more like the held-out text, "
+            "lower --lr, or keep the unhealed model"
+            + (
+                "."
+                if report.get("checks")
+                else " (--check-every 25 keeps the weights best on unseen tokens of --text)."
+            )
         )
     return warnings

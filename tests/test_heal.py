@@ -83,6 +83,16 @@ def test_checks_keep_a_diverging_heal_no_worse_than_the_unhealed_model():
     assert kept == pytest.approx(checks["best_kl"], rel=1e-5)  # the weights kept are the best checked
 
 
+def test_a_text_too_short_for_the_check_tokens_is_refused_with_the_fix():
+    original = hf_model("llama")
+    model = convert.to_mla(original, layout="factored", kv_cache_ratio=0.5, method="svd")
+    options = HEAL | {"tokens": 64, "steps": 2}
+    with pytest.raises(convert.ConvertError, match="too short to hold out check tokens.*--check-every 0"):
+        convert.heal(model, _ids(3, 1), original=original, eval_texts=_ids(64, 2), **options)
+    report = convert.heal(model, _ids(3, 1), original=original, eval_texts=_ids(64, 2), **options, check_every=0)
+    assert report.report["checks"] is None and report.report["train_tokens"] == 3
+
+
 def test_backtracking_goes_back_to_the_best_weights_at_half_the_rate():
     from convert.healing import Backtracking
 
@@ -279,7 +289,8 @@ def test_heal_a_live_vllm_twin_from_to_mla():
 
 def test_the_report_warns_when_healing_moves_away_from_the_original():
     """Perplexity can fall while the KL to the original rises (SmolLM2 at 75% of the cache, at the
-    default rate: ×1.019 -> ×0.981, KL 0.026 -> 0.043): say so, as when perplexity gets worse."""
+    rate of 1e-3 without checks: ×1.019 -> ×0.981, KL 0.026 -> 0.043): say so, as when perplexity
+    gets worse, and name the checks when they were off."""
     from convert.healing import healing_warnings, render_markdown
 
     def report(ppl_ratio: float, kl: float) -> dict:
@@ -292,7 +303,9 @@ def test_the_report_warns_when_healing_moves_away_from_the_original():
     assert healing_warnings(healed) == []
     styled = base | {"before": report(1.019, 0.026), "after": report(0.981, 0.043)}
     (warning,) = healing_warnings(styled)
-    assert "away from the original" in warning and "0.026 -> 0.043" in warning
+    assert "away from the original" in warning and "0.026 -> 0.043" in warning and "--check-every" in warning
+    (checked,) = healing_warnings(styled | {"checks": {"best_step": 3}})
+    assert "away from the original" in checked and "--check-every" not in checked
     assert warning in render_markdown(styled)
     worse = base | {"before": report(1.019, 0.026), "after": report(1.2, 0.1)}
     assert len(healing_warnings(worse)) == 2
