@@ -157,10 +157,8 @@ def heal_model(model, original, train_ids: torch.Tensor, eval_ids: torch.Tensor,
             optimizer.step()
             losses.append(loss.item())
             if track and ((step + 1) % opts.check_every == 0 or step + 1 == opts.steps):
-                track.check(step + 1)
+                track.check(step + 1)  # the last step is checked too: the model ends at the best weights
             bar.set_postfix(kl=f"{losses[-1]:.4f}")
-        if track:
-            track.restore_best()
     finally:
         model.train(was_training)
         for name, p in model.named_parameters():
