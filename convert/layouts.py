@@ -106,7 +106,7 @@ class TensorView:
             yield self.read(name).contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def _family(config: dict | None):
+def family(config: dict | None):
     """The source family of a config.json dict (a converted one names it in `mla.source_model_type`)."""
     config = config or {}
     model_type = (config.get("mla") or {}).get("source_model_type") or config.get("model_type")
@@ -118,7 +118,7 @@ def attention_view(source, config: dict | None):
     a fused q/k/v weight (Phi-3's `qkv_proj`) split into the family's q/k/v names (then
     `.module_source` is the view before the split)."""
     source = module_layout(source, config)
-    arch = _family(config)
+    arch = family(config)
     if arch is None or arch.fused_qkv is None:
         return source
     view = TensorView(source, _split_qkv(source, arch, config))
@@ -162,7 +162,7 @@ def module_layout(source, config: dict | None):
     """`source` with a Mixtral checkpoint's per-expert weights stacked as transformers' modules hold
     them (`mlp.experts.gate_up_proj` = [w1_e; w3_e] per expert e, `mlp.experts.down_proj` = w2_e,
     `mlp.gate` the router); any other checkpoint unchanged."""
-    arch = _family(config)
+    arch = family(config)
     if arch is None or arch.name != "mixtral":
         return source
     experts: dict[str, dict[tuple[int, int], str]] = {}  # layer prefix -> (expert, w) -> name

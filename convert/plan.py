@@ -173,12 +173,14 @@ def streamed_verify_memory_bytes(
     (w, 3·intermediate), attention scores (heads, w, w) twice), and one vocabulary chunk: two models' lm_head rows (chunk, hidden) as read and in the run's
     dtype, and the float64 (w, chunk) tensors `streamed._window_figures` holds at once (both
     models' logits, the previous chunk's while the next is made, their difference, the
-    softmax weights and the temporaries of their products: nine).
+    softmax weights and the temporaries of their products: nine). A half-precision checkpoint's
+    exact conversion runs the original's twin (`convert.verify.twin`) as a third stream.
     """
     run = itemsize(run_dtype)
     w = min(tokens, window)
     modules = layer_bytes * run // itemsize(checkpoint_dtype) + tensor_bytes
-    states = 2 * 2 * tokens * hidden * run
+    streams = 3 if itemsize(checkpoint_dtype) < 4 else 2
+    states = streams * 2 * tokens * hidden * run
     inside = w * (3 * intermediate + 6 * hidden) * run + 2 * n_heads * w * w * max(run, 4)
     logits = 9 * w * vocab_chunk * 8 + 2 * vocab_chunk * hidden * (run + itemsize(checkpoint_dtype))
     return modules + states + inside + logits

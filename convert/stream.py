@@ -80,10 +80,11 @@ class LayerStream:
         self.attention_cls, self.decoder_cls, rotary_cls = hf_classes(self.arch.name)
         self.rotary = rotary_cls(self.ref_config).to(device)
 
-    def attention(self, layer: int) -> torch.nn.Module:
-        """transformers' own attention module of `layer`, with the original weights."""
+    def attention(self, layer: int, checkpoint=None) -> torch.nn.Module:
+        """transformers' own attention module of `layer`, with the original weights (or `checkpoint`'s)."""
         prefix = self.arch.layer_prefixes[0].format(i=layer)
-        return load_module(self.attention_cls(self.ref_config, layer), self.checkpoint, prefix, self.device, self.dtype)
+        source = self.checkpoint if checkpoint is None else checkpoint
+        return load_module(self.attention_cls(self.ref_config, layer), source, prefix, self.device, self.dtype)
 
     def inputs(self, layer: int, x: torch.Tensor):
         """(position ids, rotary (cos, sin), additive mask) for hidden states x (B, L, D)."""

@@ -9,6 +9,7 @@ import hashlib
 import json
 import platform
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,12 +28,14 @@ from convert.plan import (
     largest_layer_bytes,
     memory_bound_bytes,
     one_model_memory_bytes,
+    whole_model_activation_bytes,
     whole_model_memory_bytes,
 )
 from convert.text import model_tokenizer, text_token_ids
 from convert.verify.e2e import end_to_end, greedy_in_turn, streamed_end_to_end
 from convert.verify.layers import LayerRun, check_hf_layers, check_seed_layers
 from convert.verify.report import check, coarsest, decide, render_markdown, thresholds, write_report
+from convert.verify.twin import twin_view
 
 __all__ = ["render_markdown", "verify", "verify_paths", "write_report"]
 
@@ -62,58 +65,84 @@ def _versions() -> dict:
     }
 
 
+class _Timings(dict):
+    """Seconds per phase (`with timings("layers"):` adds to "layers_s"); `close` adds what no phase took
+    as "other_s" and the whole as "total_s", so that every second of a run is in the report."""
+
+    def __init__(self):
+        super().__init__()
+        self.start = time.perf_counter()
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[f"{phase}_s"] = self.get(f"{phase}_s", 0.0) + time.perf_counter() - t0
+
+    def close(self) -> dict:
+        total = time.perf_counter() - self.start
+        return {**self, "other_s": max(total - sum(self.values()), 0.0), "total_s": total}
+
+
 def verify_paths(original, converted, **options) -> dict:
     """Verify the MLA directory `converted` against the GQA checkpoint `original`.
 
     options: the fields of `VerifyOptions` (text, tokens, device, dtype,
     max_ppl_ratio, progress). Per layer always; end to end (logits, KL, top-1,
     perplexity, greedy generation, cache bytes) when the architecture is a
-    transformers causal LM and both models fit in memory. Returns the report dict.
+    transformers causal LM and both models fit in memory. A half-precision exact
+    conversion is held to the noise floor of the original's equivalent twin
+    (`convert.verify.twin`), measured alongside. Returns the report dict.
     """
     opts = VerifyOptions.from_kwargs(**options)
     if is_export(converted):
         return _verify_export(original, converted, opts)
     text, tokens, max_ppl_ratio = opts.text, opts.tokens, opts.max_ppl_ratio
-    start = time.perf_counter()
+    timings = _Timings()
     run_device = opts.torch_device
     config = read_mla_config(converted)
     mla = config["mla"]
     with open_checkpoint(original) as stored, open_checkpoint(converted) as conv:
         orig = module_layout(stored, config)  # Mixtral: experts stacked, as the converted checkpoint holds them
         _check_same_source(orig, config, converted)
-        copied = copied_tensors_check(orig, conv, mla)
+        with timings("copied_tensors"):
+            copied = copied_tensors_check(orig, conv, mla)
         ckpt_dtype = conv.dtype(next(k for k in conv.keys() if "self_attn" in k or "W_" in k or "_down" in k))
         run_dtype = opts.run_dtype(ckpt_dtype)
-        run = LayerRun(orig, conv, config, run_device, run_dtype)
+        limits = thresholds(coarsest(run_dtype, ckpt_dtype), max_ppl_ratio)
+        twin = twin_view(orig, config) if limits["noise_floor"] else None
+        run = LayerRun(orig, conv, config, run_device, run_dtype, twin)
         runnable = mla["source_architecture"] != "seed"
-        ids = _token_ids(text, orig, config, tokens, runnable)
+        with timings("tokens"):
+            ids = _token_ids(text, orig, config, tokens, runnable)
         bar = lambda it: tqdm(it, desc="verifying", unit="layer", disable=None if opts.progress else True)
-        t0 = time.perf_counter()
-        layers = (
-            check_hf_layers(run, ids if text else None, tokens, bar)
-            if runnable
-            else check_seed_layers(run, tokens, bar)
-        )
-        timings = {"layers_s": time.perf_counter() - t0}
+        with timings("layers"):
+            layers = (
+                check_hf_layers(run, ids if text else None, tokens, bar)
+                if runnable
+                else check_seed_layers(run, tokens, bar)
+            )
         release_freed_memory()  # the per-layer check's freed modules, before the end-to-end part
         e2e, skipped = None, "the source architecture has no transformers causal LM" if not runnable else None
         if runnable:
-            t0 = time.perf_counter()
-            e2e = _end_to_end(opts, orig, conv, converted, config, ids, ckpt_dtype, run_dtype)
-            timings["end_to_end_s"] = time.perf_counter() - t0
-        limits = thresholds(coarsest(run_dtype, ckpt_dtype), max_ppl_ratio)
-        inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(text, ids)}
-    timings["total_s"] = time.perf_counter() - start
-    return _report(opts, run_dtype, layers, e2e, skipped, limits, inputs, timings, [copied])
+            with timings("end_to_end"):
+                e2e = _end_to_end(opts, orig, conv, converted, config, ids, ckpt_dtype, run_dtype, twin)
+        with timings("checksums"):
+            inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(text, ids)}
+    return _report(opts, run_dtype, layers, e2e, skipped, limits, inputs, timings.close(), [copied])
 
 
-def _end_to_end(opts: VerifyOptions, orig, conv, converted, config: dict, ids, ckpt_dtype, dtype) -> dict:
-    """The end-to-end figures: both whole models at once (--e2e whole), or streamed a decoder layer
-    at a time, with (auto) greedy generation from each whole model in turn when one fits."""
+def _end_to_end(opts: VerifyOptions, orig, conv, converted, config: dict, ids, ckpt_dtype, dtype, twin) -> dict:
+    """The end-to-end figures: both whole models at once (--e2e whole, or auto on a GPU whose free
+    memory holds them), else streamed a decoder layer at a time, with (auto) greedy generation from
+    each whole model in turn when one fits; the twin's as the `floor` when there is one."""
     device, tokenizer = opts.torch_device, model_tokenizer(orig.root)
-    if opts.e2e == "whole":
+    whole = opts.e2e == "whole" or (opts.e2e == "auto" and _both_fit_gpu(orig, conv, device, dtype, ids, config))
+    if whole:
         load = lambda device, dtype: load_mla_model(converted, device=device, dtype=dtype)
-        return end_to_end(orig, load, config, ids, device, dtype, ckpt_dtype, tokenizer)
+        return end_to_end(orig, load, config, ids, device, dtype, ckpt_dtype, tokenizer, twin)
     greedy, why = None, "greedy generation needs a whole model with a KV cache, and --e2e streamed keeps to one layer"
     if opts.e2e == "auto":
         greedy_dtype = opts.greedy_dtype(ckpt_dtype)
@@ -121,7 +150,7 @@ def _end_to_end(opts: VerifyOptions, orig, conv, converted, config: dict, ids, c
         if fits:
             greedy = greedy_in_turn(orig, converted, config, ids, device, greedy_dtype)
         why = f"greedy generation needs one whole model with a KV cache in {dtype_name(greedy_dtype)}, and {need}"
-    return streamed_end_to_end(orig, conv, config, ids, device, dtype, ckpt_dtype, greedy, why, tokenizer)
+    return streamed_end_to_end(orig, conv, config, ids, device, dtype, ckpt_dtype, greedy, why, tokenizer, twin)
 
 
 def _check_same_source(orig, config: dict, converted) -> None:
@@ -185,11 +214,12 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
     """End-to-end verification of an export target (a DeepseekV3ForCausalLM), loaded by stock
     transformers as a user would. No per-layer part: its layers are not MLAAttention modules.
     Bounds are no finer than float32: DeepseekV3RMSNorm computes in float32."""
-    start = time.perf_counter()
+    timings = _Timings()
     device = opts.torch_device
     with open_checkpoint(original) as orig, open_checkpoint(exported) as conv:
         config = orig.config or {}
-        ids = _token_ids(opts.text, orig, config, opts.tokens, True)
+        with timings("tokens"):
+            ids = _token_ids(opts.text, orig, config, opts.tokens, True)
         ckpt_dtype = conv.dtype(conv.keys()[0])
         dtype = opts.run_dtype(ckpt_dtype)
         fits, why = _fits(orig, device, dtype)
@@ -198,12 +228,14 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
                 f"verifying an export loads both whole models, which do not fit ({why}); use --no-verify"
             )
         export = (conv.config or {}).get("convert_export", {})
-        load = lambda device, dtype: load_export(exported, export, device, dtype)
-        e2e = end_to_end(orig, load, config, ids, device, dtype, ckpt_dtype, model_tokenizer(orig.root))
         limits = thresholds(coarsest(dtype, ckpt_dtype, torch.float32), opts.max_ppl_ratio)
-        inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(opts.text, ids)}
-    timings = {"end_to_end_s": time.perf_counter() - start, "total_s": time.perf_counter() - start}
-    report = _report(opts, dtype, [], e2e, None, limits, inputs, timings)
+        twin = twin_view(orig, config) if limits["noise_floor"] else None
+        load = lambda device, dtype: load_export(exported, export, device, dtype)
+        with timings("end_to_end"):
+            e2e = end_to_end(orig, load, config, ids, device, dtype, ckpt_dtype, model_tokenizer(orig.root), twin)
+        with timings("checksums"):
+            inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(opts.text, ids)}
+    report = _report(opts, dtype, [], e2e, None, limits, inputs, timings.close())
     if export.get("target") == "vllm":
         report["target"] = _vllm_section(export, e2e, ckpt_dtype)
     return report
@@ -272,18 +304,30 @@ def _report(opts: VerifyOptions, run_dtype, layers, e2e, skipped, limits, inputs
 
 
 def _one_model_fits(orig, conv, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether the larger of the two whole models, in `dtype`, fits both in the memory available
-    and within the streamed run's memory bound (`memory_bound_bytes`) less a process's own
-    (`PROCESS_BASE_BYTES`): a default run keeps to that bound on any machine (in a container too,
-    whose limit the kernel's MemAvailable does not show), whatever process calls it."""
+    """Whether the larger of the two whole models, in `dtype`, fits where it runs. On a GPU: its free
+    memory. On the CPU: the memory available and the streamed run's memory bound (`memory_bound_bytes`)
+    less a process's own (`PROCESS_BASE_BYTES`): a default run keeps to that bound on any machine (in
+    a container too, whose limit the kernel's MemAvailable does not show), whatever process calls it."""
     needed = max(one_model_memory_bytes(ckpt.total_bytes(), ckpt.dtype(ckpt.keys()[0]), dtype) for ckpt in (orig, conv))
+    gib = lambda n: f"{n / 2**30:.2f} GiB"
+    if device.type == "cuda":
+        free = available_memory_bytes(device)
+        return needed <= free, f"it needs ~{gib(needed)}, more than the {gib(free)} free on {device}"
     bound = memory_bound_bytes(largest_layer_bytes(orig, conv))
     room = min(bound - PROCESS_BASE_BYTES, available_memory_bytes(device))
-    gib = lambda n: f"{n / 2**30:.2f} GiB"
     return needed <= room, (
         f"it needs ~{gib(needed)}, more than the {gib(max(room, 0))} left within the memory bound "
         f"({gib(bound)}: 1 GiB + 2 x the largest layer) and the memory available; --e2e whole runs it regardless"
     )
+
+
+def _both_fit_gpu(orig, conv, device: torch.device, dtype: torch.dtype, ids, config: dict) -> bool:
+    """Whether `device` is a GPU whose free memory holds both whole models in `dtype` and the
+    whole-model run's logits: then --e2e auto verifies them whole there, greedy generation included."""
+    if device.type != "cuda" or ids is None:
+        return False
+    models = sum(one_model_memory_bytes(c.total_bytes(), c.dtype(c.keys()[0]), dtype) for c in (orig, conv))
+    return models + whole_model_activation_bytes(ids.shape[-1], config["vocab_size"]) <= available_memory_bytes(device)
 
 
 def _fits(orig, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:

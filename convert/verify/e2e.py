@@ -57,7 +57,8 @@ def compare_models(ref_model, mla_model, ids: torch.Tensor, window: int = 1024) 
                 nll_ref.append(_nll(ref, chunk))
                 nll_got.append(_nll(got, chunk))
     n = ids.shape[-1]
-    ppl_ref, ppl_got = float(torch.cat(nll_ref).mean().exp()), float(torch.cat(nll_got).mean().exp())
+    nll_ref, nll_got = torch.cat(nll_ref), torch.cat(nll_got)
+    ppl_ref, ppl_got = float(nll_ref.mean().exp()), float(nll_got.mean().exp())
     return {
         "tokens": n,
         "window": window,
@@ -69,17 +70,28 @@ def compare_models(ref_model, mla_model, ids: torch.Tensor, window: int = 1024) 
         "ppl_original": ppl_ref,
         "ppl_converted": ppl_got,
         "ppl_ratio": ppl_got / ppl_ref,
+        "nll_abs_diff_mean": float((nll_got - nll_ref).abs().mean()),  # |log ppl ratio| is at most this
     }
 
 
 def end_to_end(
-    original: Checkpoint, load_converted, config: dict, ids: torch.Tensor, device, dtype, ckpt_dtype, tokenizer=None
+    original: Checkpoint,
+    load_converted,
+    config: dict,
+    ids: torch.Tensor,
+    device,
+    dtype,
+    ckpt_dtype,
+    tokenizer=None,
+    twin=None,
 ) -> dict:
     """Compare the whole original and converted models on `ids` (1, N).
 
     load_converted(device, dtype): the converted model (MLA, or an export target's).
     KV-cache bytes are counted in the checkpoint's dtype `ckpt_dtype`, as deployed;
-    with a tokenizer the greedy continuations are decoded to text too.
+    with a tokenizer the greedy continuations are decoded to text too. twin: the original's
+    equivalent twin (`convert.verify.twin`), whose figures against the original are the `floor`;
+    it is built once the converted model is freed (two whole models in memory at a time).
     """
     ref_model = load_original(original, config, device, dtype)
     mla_model = load_converted(device, dtype)
@@ -95,6 +107,11 @@ def end_to_end(
         "mode": "whole",
         "greedy_skipped": None,
     }
+    if twin is not None:
+        del mla_model
+        release_freed_memory()
+        floor = compare_models(ref_model, load_original(twin, config, device, dtype), ids)
+        result["floor"] = {k: v for k, v in floor.items() if k not in ("tokens", "window")}
     return result
 
 
@@ -137,14 +154,16 @@ def streamed_end_to_end(
     greedy: tuple | None = None,
     why: str | None = None,
     tokenizer=None,
+    twin=None,
 ) -> dict:
     """`end_to_end`'s report with the models streamed one decoder layer at a time
     (`convert.verify.streamed`). Greedy generation needs a whole model with a KV cache:
-    `greedy` holds the tokens of `greedy_in_turn` when it ran, else `greedy_skipped` says `why`."""
+    `greedy` holds the tokens of `greedy_in_turn` when it ran, else `greedy_skipped` says `why`; with
+    `twin`, the twin runs as a third stream and its figures are the `floor`."""
     from convert.verify import streamed
 
     greedy_ref, greedy_got, greedy_dtype = greedy or (None, None, None)
-    result = streamed.compare_streamed(original, converted, config, ids.to(device), device, dtype)
+    result = streamed.compare_streamed(original, converted, config, ids.to(device), device, dtype, twin=twin)
     cache_original, cache_converted = streamed.cache_bytes_per_token(config, ckpt_dtype)
     return (
         result

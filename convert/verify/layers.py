@@ -26,6 +26,7 @@ class LayerRun:
     config: dict  # the converted config.json (source config + `mla`)
     device: torch.device
     dtype: torch.dtype
+    twin: Checkpoint | None = None  # the original's equivalent twin (`convert.verify.twin`): the noise floor
 
     @property
     def mla(self) -> dict:
@@ -57,7 +58,10 @@ def check_hf_layers(run: LayerRun, token_ids: torch.Tensor | None, n_tokens: int
         with torch.no_grad():
             ref = reference(x, position_embeddings=rotary, attention_mask=mask)[0]
             got = _mla_module(run, layer, stream.layer_rotary(layer))(x, rotary, mask, position_ids=positions)[0]
-        results.append(_layer_result(run, layer, got, ref))
+            twin = None
+            if run.twin is not None:
+                twin = stream.attention(layer, run.twin)(x, position_embeddings=rotary, attention_mask=mask)[0]
+        results.append(_layer_result(run, layer, got, ref, twin))
 
     if token_ids is not None:
         for layer, x, decoder, inputs in stream.run(token_ids, run.mla["n_layers"], progress):
@@ -76,30 +80,35 @@ def check_seed_layers(run: LayerRun, n_tokens: int, progress) -> list[dict]:
     generator = torch.Generator().manual_seed(0)
     results = []
     for layer in progress(range(mla["n_layers"])):
-        d, hidden = mla["head_dim"], mla["hidden_size"]
-        reference = load_module(
-            MyGQA(hidden, hidden, d, d, mla["n_heads"], mla["n_kv_heads"]),
-            run.original,
-            run.prefix(layer),
-            run.device,
-            run.dtype,
-        )
-        x = torch.randn(1, n_tokens, hidden, generator=generator).to(run.device, run.dtype)
+        x = torch.randn(1, n_tokens, mla["hidden_size"], generator=generator).to(run.device, run.dtype)
         with torch.no_grad():
-            ref = reference(x, x)
+            ref = _seed_gqa(run, layer, run.original)(x, x)
             got = _mla_module(run, layer)(x)[0]
-        results.append(_layer_result(run, layer, got, ref))
+            twin = None if run.twin is None else _seed_gqa(run, layer, run.twin)(x, x)
+        results.append(_layer_result(run, layer, got, ref, twin))
     return results
 
 
-def _layer_result(run: LayerRun, layer: int, got: torch.Tensor, ref: torch.Tensor) -> dict:
+def _seed_gqa(run: LayerRun, layer: int, weights) -> MyGQA:
+    """The seed's MyGQA of `layer` with the tensors of `weights` (the original, or its twin)."""
+    mla = run.mla
+    d, hidden = mla["head_dim"], mla["hidden_size"]
+    module = MyGQA(hidden, hidden, d, d, mla["n_heads"], mla["n_kv_heads"])
+    return load_module(module, weights, run.prefix(layer), run.device, run.dtype)
+
+
+def _layer_result(run: LayerRun, layer: int, got: torch.Tensor, ref: torch.Tensor, twin=None) -> dict:
+    """One layer's row of the report; with the twin's output, its errors as the layer's noise floor."""
     rel, max_abs = relative_error(got, ref)
+    floor_rel, floor_max_abs = (None, None) if twin is None else relative_error(twin, ref)
     entry = run.mla["layers"][layer]
     ranks = {k: v for k, v in entry.items() if k.startswith("rank")}
     return {
         "layer": layer,
         "rel_error": rel,
         "max_abs_error": max_abs,
+        "floor_rel_error": floor_rel,
+        "floor_max_abs_error": floor_max_abs,
         "ranks": ranks,
         "retained_energy": entry.get("retained_energy"),
         "factor_error": entry.get("factor_error"),

@@ -10,6 +10,8 @@ logits of a chunk are computed in the run's dtype (as the whole model does) and 
 in float64.
 """
 
+from functools import partial
+
 import torch
 
 from convert.arch import ARCHS
@@ -25,8 +27,9 @@ VOCAB_CHUNK = 8192  # lm_head rows per chunk: chunk logits (L, C) stay small
 class _Stream:
     """The pieces both streams share: classes, configs, rotary embedding, masks."""
 
-    def __init__(self, original: Checkpoint, converted: Checkpoint, config: dict, device, dtype):
+    def __init__(self, original: Checkpoint, converted: Checkpoint, config: dict, device, dtype, twin=None):
         self.original, self.converted, self.config = module_layout(original, config), converted, config
+        self.twin = twin  # the original's equivalent twin (`convert.verify.twin`), run as a third stream
         self.mla, self.device, self.dtype = config["mla"], device, dtype
         self.layers = LayerStream(original, config, device, dtype)
         self.arch = ARCHS[self.mla["source_architecture"]]
@@ -34,9 +37,11 @@ class _Stream:
         self.embed_scale = config["hidden_size"] ** 0.5 if self.arch.gemma_scores else None
         self.final_softcap = self.layers.final_softcap
 
-    def original_layer(self, layer: int) -> torch.nn.Module:
+    def original_layer(self, layer: int, checkpoint: Checkpoint | None = None) -> torch.nn.Module:
+        """The family's own decoder layer with the original's tensors (or `checkpoint`'s: the twin's)."""
         build = lambda: self.layers.decoder_cls(self.layers.ref_config, layer)
-        return materialize(build, self.original, f"model.layers.{layer}.", self.device, self.dtype)
+        source = self.original if checkpoint is None else checkpoint
+        return materialize(build, source, f"model.layers.{layer}.", self.device, self.dtype)
 
     def converted_layer(self, layer: int) -> torch.nn.Module:
         """The family's decoder layer with its attention swapped for MLAAttention, as
@@ -74,22 +79,25 @@ class _Stream:
 
 
 def hidden_states(stream: _Stream, windows: list[torch.Tensor], progress=iter):
-    """Final-normed hidden states of both models for each window: ([ref (1, L, D)], [got (1, L, D)])."""
+    """Final-normed hidden states of each model for each window: ([ref (1, L, D)], [got (1, L, D)],
+    [twin (1, L, D)] or None without a twin)."""
     ref = [stream.embed(stream.original, w) for w in windows]
     got = [stream.embed(stream.converted, w) for w in windows]
-    inputs = [None] * len(windows)
+    twin = None if stream.twin is None else list(ref)  # the twin's embeddings are the original's
     with torch.no_grad():
         for layer in progress(range(stream.mla["n_layers"])):
             inputs = [stream.layers.inputs(layer, h) for h in ref]  # (positions, rotary, mask)
-            decoder = stream.original_layer(layer)
-            ref = [_run(decoder, h, i) for h, i in zip(ref, inputs)]
-            del decoder
-            decoder = stream.converted_layer(layer)
-            got = [_run(decoder, h, i) for h, i in zip(got, inputs)]
-            del decoder
+            builds = [(partial(stream.original_layer, layer), ref), (partial(stream.converted_layer, layer), got)]
+            if twin is not None:
+                builds.append((partial(stream.original_layer, layer, stream.twin), twin))
+            for build, hidden in builds:  # each stream in place, one decoder layer in memory at a time
+                decoder = build()
+                hidden[:] = [_run(decoder, h, i) for h, i in zip(hidden, inputs)]
+                del decoder
         ref = [stream.norm(stream.original, h) for h in ref]
         got = [stream.norm(stream.converted, h) for h in got]
-    return ref, got
+        twin = None if twin is None else [stream.norm(stream.original, h) for h in twin]
+    return ref, got, twin
 
 
 def _run(decoder, hidden, inputs):
@@ -107,15 +115,16 @@ def _chunks(stream: _Stream, checkpoint: Checkpoint):
         yield start, rows.to(device=stream.device, dtype=stream.dtype)
 
 
-def _logits_chunks(stream, ref_h, got_h):
-    """Yield (start, ref logits (L, C) float64, converted logits (L, C) float64) per vocabulary chunk."""
-    for (start, w_ref), (_, w_got) in zip(_chunks(stream, stream.original), _chunks(stream, stream.converted)):
+def _logits_chunks(stream, ref_h, got_h, got_checkpoint: Checkpoint):
+    """Yield (start, ref logits (L, C) float64, the other model's logits (L, C) float64) per vocabulary
+    chunk; got_checkpoint: the other model's (its lm_head)."""
+    for (start, w_ref), (_, w_got) in zip(_chunks(stream, stream.original), _chunks(stream, got_checkpoint)):
         ref = stream.cap(torch.nn.functional.linear(ref_h[0], w_ref)).double()  # (L, C), run dtype -> float64
         got = stream.cap(torch.nn.functional.linear(got_h[0], w_got)).double()
         yield start, ref, got
 
 
-def _window_figures(stream, ref_h, got_h, ids: torch.Tensor) -> dict:
+def _window_figures(stream, ref_h, got_h, ids: torch.Tensor, got_checkpoint: Checkpoint) -> dict:
     """Sums and maxima of one window (ids (1, L)), in one pass over the vocabulary.
 
     Per row, with m the running maximum of the original's logits r (converted: g):
@@ -134,7 +143,7 @@ def _window_figures(stream, ref_h, got_h, ids: torch.Tensor) -> dict:
     tgt_ref = torch.zeros(length - 1, dtype=torch.float64, device=device)
     tgt_got = tgt_ref.clone()
     sq_diff = sq_ref = max_abs = 0.0
-    for start, ref, got in _logits_chunks(stream, ref_h, got_h):  # (L, C) each, float64
+    for start, ref, got in _logits_chunks(stream, ref_h, got_h, got_checkpoint):  # (L, C) each, float64
         diff = got - ref
         sq_diff, sq_ref = sq_diff + float(diff.square().sum()), sq_ref + float(ref.square().sum())
         max_abs = max(max_abs, float(diff.abs().max()))
@@ -176,17 +185,27 @@ def compare_streamed(
     dtype,
     window=1024,
     progress=iter,
+    twin=None,
 ) -> dict:
-    """`compare_models`' figures (same keys, same windows) with the models streamed layer by layer."""
-    stream = _Stream(original, converted, config, device, dtype)
+    """`compare_models`' figures (same keys, same windows) with the models streamed layer by layer;
+    with `twin` (the original's equivalent twin) its figures against the original too, as `floor`."""
+    stream = _Stream(original, converted, config, device, dtype, twin)
     windows = [ids[:, start : start + window] for start in range(0, ids.shape[-1], window)]  # (1, ≤window) each
-    ref_h, got_h = hidden_states(stream, windows, progress)
+    ref_h, got_h, twin_h = hidden_states(stream, windows, progress)
     release_freed_memory()  # the decoder layers' freed pages, before the vocabulary chunks
+    result = {"tokens": ids.shape[-1], "window": window} | _figures(stream, windows, ref_h, got_h, stream.converted)
+    if twin_h is not None:
+        result["floor"] = _figures(stream, windows, ref_h, twin_h, stream.original)  # the twin's head is the original's
+    return result
+
+
+def _figures(stream: _Stream, windows, ref_h, got_h, got_checkpoint: Checkpoint) -> dict:
+    """The figures of one model's hidden states `got_h` against the original's `ref_h`, window by window."""
     total = {"sq_diff": 0.0, "sq_ref": 0.0, "max_abs": 0.0, "kl_sum": 0.0, "kl_max": 0.0, "agree": 0.0}
     nll_ref, nll_got = [], []
     with torch.no_grad():
         for w, ref, got in zip(windows, ref_h, got_h):
-            fig = _window_figures(stream, ref, got, w)
+            fig = _window_figures(stream, ref, got, w, got_checkpoint)
             for key in ("sq_diff", "sq_ref", "kl_sum", "agree"):
                 total[key] += fig[key]
             total["max_abs"], total["kl_max"] = (
@@ -195,11 +214,10 @@ def compare_streamed(
             )
             nll_ref.append(fig["nll_ref"])
             nll_got.append(fig["nll_got"])
-    n = ids.shape[-1]
-    ppl_ref, ppl_got = float(torch.cat(nll_ref).mean().exp()), float(torch.cat(nll_got).mean().exp())
+    n = sum(w.shape[-1] for w in windows)
+    nll_ref, nll_got = torch.cat(nll_ref), torch.cat(nll_got)
+    ppl_ref, ppl_got = float(nll_ref.mean().exp()), float(nll_got.mean().exp())
     return {
-        "tokens": n,
-        "window": window,
         "logits_max_abs_diff": total["max_abs"],
         "logits_rel_error": (total["sq_diff"] / total["sq_ref"]) ** 0.5,
         "kl_mean": total["kl_sum"] / n,
@@ -208,6 +226,7 @@ def compare_streamed(
         "ppl_original": ppl_ref,
         "ppl_converted": ppl_got,
         "ppl_ratio": ppl_got / ppl_ref,
+        "nll_abs_diff_mean": float((nll_got - nll_ref).abs().mean()),  # |log ppl ratio| is at most this
     }
 
 
