@@ -317,13 +317,12 @@ def to_mla(model, **options):
     parameter = next(model.parameters())
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     if opts.target != "mla":
-        return _export_model(state, model.config, opts, parameter.dtype).to(parameter.device)
+        return _export_model(state, model.config, opts, parameter.dtype, parameter.device)
     converted = convert_state_dict(state, model.config, **options)
-    mla_model = build_mla_model(converted.config, converted, dtype=parameter.dtype)
-    return mla_model.to(parameter.device)
+    return build_mla_model(converted.config, converted, dtype=parameter.dtype, device=parameter.device)
 
 
-def _export_model(state: dict[str, torch.Tensor], config, opts: ConvertOptions, dtype: torch.dtype):
+def _export_model(state: dict[str, torch.Tensor], config, opts: ConvertOptions, dtype: torch.dtype, device="cpu"):
     """`to_mla`'s export targets: the DeepseekV3ForCausalLM of --target transformers or vllm, built
     from the source's state dict in memory, after the same refusals as a conversion."""
     from convert.hf import build_causal_lm, load_strict
@@ -338,7 +337,7 @@ def _export_model(state: dict[str, torch.Tensor], config, opts: ConvertOptions, 
     else:
         _, export_config, tensors = _vllm_tensors(source, state, opts)
         tensors = dict(tensors)
-    export = build_causal_lm(export_config, dtype)
+    export = build_causal_lm(export_config, dtype, device=device)
     load_strict(export, tensors, f"the --target {opts.target} export")
     if opts.target == "vllm":
         from convert.targets.vllm import match_vllm_norms

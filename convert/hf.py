@@ -5,6 +5,8 @@ Everything else in the package works on plain config dicts and state dicts. Here
 - `hf_classes`, `causal_mask`: a family's own attention / decoder layer / rotary classes
   and its mask, the references verification compares against;
 - `build_causal_lm`, `load_original`: the whole source model, as transformers builds it;
+- `empty_weights`, `allocate`: a model built with no storage for its weights (nothing initialised),
+  then given uninitialised storage on the device it is loaded into;
 - `meta_state_dict`: every tensor of a config's model as a meta tensor, allocating nothing;
 - `load_tokenizer`: the model directory's own tokenizer;
 - `MLAConfig`, `MLAForCausalLM`, `register`: the converted checkpoint's own model type
@@ -14,10 +16,12 @@ Everything else in the package works on plain config dicts and state dicts. Here
   the source architecture with random attention.
 """
 
+import contextlib
 import functools
 import importlib
 import inspect
 import re
+import types
 
 import torch
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
@@ -100,11 +104,58 @@ def causal_mask(config, layer: int, x: torch.Tensor, positions: torch.Tensor) ->
     return make(config=config, inputs_embeds=x, attention_mask=None, position_ids=positions, **no_cache)
 
 
-def build_causal_lm(config: dict, dtype: torch.dtype, attention: str = "eager"):
-    """The config's causal LM with uninitialised weights (transformers' own class)."""
+@contextlib.contextmanager
+def empty_weights():
+    """Modules built inside get their parameters on the meta device (no storage, so nothing to
+    initialise) and torch's and transformers' weight initialisation is off; buffers are built for
+    real, as each module computes them (RoPE frequencies, Gemma 3's embedding scale: not loaded)."""
+    from transformers.initialization import no_init_weights
+
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        with no_init_weights():
+            yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def allocate(model: torch.nn.Module, device) -> torch.nn.Module:
+    """`model` (built under `empty_weights`) with uninitialised storage for its meta parameters,
+    allocated once directly on `device` (a tied lm_head still shares the embedding's), and its
+    buffers moved there: ready to be filled with a checkpoint's tensors."""
+    if torch.device(device).type != "meta":
+        made = {}  # id -> (meta parameter, its storage): shared parameters stay shared
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None and param.device.type == "meta":
+                    if id(param) not in made:
+                        storage = torch.empty_like(param, device=device)
+                        made[id(param)] = param, torch.nn.Parameter(storage, requires_grad=param.requires_grad)
+                    module._parameters[name] = made[id(param)][1]
+    return model.to(device)  # the buffers
+
+
+def _new_causal_lm(config: dict, dtype: torch.dtype, attention: str = "eager"):
+    """transformers' own causal LM class of the config, built on the ambient device."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(hf_config(config, dtype, attention), dtype=dtype)
+
+
+def build_causal_lm(config: dict, dtype: torch.dtype, attention: str = "eager", device="cpu"):
+    """The config's causal LM (transformers' own class), its weights allocated on `device` but not
+    initialised (`empty_weights`, `allocate`): to be loaded, strictly, before use."""
+    with empty_weights():
+        model = _new_causal_lm(config, dtype, attention)
+    model.tie_weights()  # before allocating: a tied lm_head gets no storage of its own
+    return allocate(model, device)
 
 
 def reference_attention(config: dict) -> str:
@@ -117,10 +168,10 @@ def load_original(original: Checkpoint, config: dict, device, dtype):
     """The source model as transformers builds it, with the original weights (`reference_attention`)."""
     from convert.layouts import module_layout
 
-    model = build_causal_lm(config, dtype, attention=reference_attention(config))
+    model = build_causal_lm(config, dtype, attention=reference_attention(config), device=device)
     original = module_layout(original, config)  # Mixtral: the stored experts stacked as the modules hold them
     fill_strict(model, original, getattr(original, "path", "the original weights"))
-    return model.to(device).eval()
+    return model.eval()
 
 
 def _check_names(model, missing, unexpected, where) -> set[str]:
@@ -144,32 +195,51 @@ def load_strict(model, state: dict, where) -> None:
 
 
 def fill_strict(model, checkpoint, where) -> None:
-    """`load_strict` from a checkpoint, a tensor at a time, read straight into the model's own
-    tensors where the checkpoint can (`Checkpoint.read_into`): the peak is the model, not a second
-    copy of it (a state dict) nor its mapped pages, which would stay resident while it is open."""
+    """`load_strict` from a checkpoint, a tensor at a time, never a second copy of the model (a state
+    dict) in memory. On the CPU a tensor stored in the model's dtype is not copied at all: the model
+    takes the file's own tensor (`Checkpoint.mapped`, as transformers' `from_pretrained` does), read
+    at first use; any other is read straight into the model's tensor (`Checkpoint.read_into`: to
+    another dtype or device, a chunk at a time)."""
     targets = model.state_dict(keep_vars=True)
     names = set(checkpoint.keys())
     tied = _check_names(model, set(targets) - names, names - set(targets), where)
     read_into = getattr(checkpoint, "read_into", None)
     with torch.no_grad():
         for name in sorted(names):
-            if read_into is not None:
-                read_into(name, targets[name])
+            target = targets[name]
+            if _mappable(checkpoint, name, target):
+                target.data = checkpoint.mapped(name)  # the parameter keeps its identity (and ties)
+            elif read_into is not None:
+                read_into(name, target)
             else:  # an in-memory source (a state dict)
-                targets[name].copy_(checkpoint.get(name))
+                target.copy_(checkpoint.get(name))
     if tied:
         model.tie_weights()
 
 
-def load_pretrained(path, device, dtype, attention: str = "eager"):
-    """A checkpoint directory as stock transformers loads it (an export target's, say)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
+def _mappable(checkpoint, name: str, target: torch.Tensor) -> bool:
+    """Whether `target` can be the checkpoint's own tensor: a file's (a view may assemble its own),
+    on the CPU, in the stored dtype and shape."""
+    if not isinstance(checkpoint, Checkpoint) or target.device.type != "cpu":
+        return False
+    return target.dtype == checkpoint.dtype(name) and tuple(target.shape) == tuple(checkpoint.shape(name))
 
+
+def load_pretrained(path, device, dtype, attention: str = "eager"):
+    """A checkpoint directory as stock transformers loads it (an export target's, say).
+
+    transformers builds the model on the meta device and reads each tensor once, in `dtype`;
+    straight onto a GPU only with `accelerate` installed (its `device_map`), else through the CPU.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import is_accelerate_available, logging
+
+    on_device = is_accelerate_available() and torch.device(device).type != "cpu"
+    placement = {"device_map": {"": torch.device(device)}} if on_device else {}
     shown = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()  # our own progress bars and summary only
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention, **placement)
     finally:
         if shown:
             logging.enable_progress_bar()
@@ -187,7 +257,7 @@ def meta_state_dict(config: dict) -> dict[str, torch.Tensor]:
     one_layer.pop("layer_types", None)
     dtype = _config_dtype(config)
     with torch.device("meta"):
-        model = build_causal_lm(one_layer, dtype)
+        model = build_causal_lm(one_layer, dtype, device="meta")
     state = {}
     for name, tensor in model.state_dict().items():
         if ".layers.0." not in name:
@@ -222,7 +292,14 @@ class MLAConfig(PretrainedConfig):
 
     def __init__(self, mla: dict | None = None, **kwargs):
         self.mla = mla
+        # The source's RoPE scaling is the source config's to read (MLAForCausalLM builds one from
+        # these fields): held out of PretrainedConfig's legacy-RoPE conversion, which fails here
+        # for llama3/yarn scaling (it reads max_position_embeddings before setting it).
+        rope_scaling = kwargs.pop("rope_scaling", None)
         super().__init__(**kwargs)
+        if rope_scaling is not None and getattr(self, "rope_parameters", None) is None:
+            self.rope_parameters = rope_scaling  # as the deprecated `rope_scaling` setter does, without its warning
+            self.standardize_rope_params()
 
 
 class MLAForCausalLM(PreTrainedModel, GenerationMixin):
@@ -238,17 +315,45 @@ class MLAForCausalLM(PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: MLAConfig):
+        from transformers.initialization import no_init_weights
+
         from convert.mla.model import swap_attention
 
         super().__init__(config)
-        source = build_causal_lm(config.to_dict(), config.dtype or torch.float32)
-        swap_attention(source, config.mla)
+        with no_init_weights():  # initialised once, by post_init below, unless it is being loaded
+            source = _new_causal_lm(config.to_dict(), config.dtype or torch.float32)
+            swap_attention(source, config.mla)
         self.model, self.lm_head = source.model, source.lm_head
         self._family = type(source)
         self.post_init()
 
-    def forward(self, *args, **kwargs):
-        return self._family.forward(self, *args, **kwargs)
+    @classmethod
+    def from_converted_config(cls, config: dict, dtype: torch.dtype):
+        """The model of a converted config.json dict (format 1 or 2) in `dtype`, built under
+        `empty_weights`: no storage, nothing initialised (`allocate` it, then load it)."""
+        mla = {"source_model_type": config["model_type"], **config["mla"]}  # format 1: the source's own type
+        fields = {k: v for k, v in config.items() if k not in ("model_type", "mla")}
+        hf = MLAConfig(mla=mla, **fields)
+        hf.dtype = dtype
+        with empty_weights():
+            model = cls(hf)
+        model.tie_weights()
+        return model
+
+    @property
+    def forward(self):
+        """The family's own forward, bound to this model. Its signature is what `generate` reads
+        to decide what to pass (attention_mask from padding, position_ids, logits_to_keep): a
+        `forward(*args, **kwargs)` would silently lose the padding mask. A hook may replace it."""
+        return self.__dict__.get("_hooked_forward") or types.MethodType(self._family.forward, self)
+
+    @forward.setter
+    def forward(self, hooked):
+        self.__dict__["_hooked_forward"] = hooked
+
+    @forward.deleter
+    def forward(self):
+        self.__dict__.pop("_hooked_forward", None)
 
 
 def register() -> None:

@@ -480,6 +480,13 @@ class Checkpoint:
         entry = self.entry(name)
         return self._handle(entry.file).get_tensor(name)
 
+    def mapped(self, name: str) -> torch.Tensor:
+        """``name`` as a view of its file's private (copy-on-write) mapping, as transformers'
+        ``from_pretrained`` loads on the CPU: nothing is copied, its pages are read at first use and
+        stay this process's while the tensor lives, after ``close`` too (a loaded model's weights;
+        streaming wants `read`). Writing to it changes this process's copy only."""
+        return self.get(name)
+
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Read rows ``start:stop`` of the first dimension of ``name``."""
         entry = self.entry(name)

@@ -1,8 +1,9 @@
 """Load a converted checkpoint as a runnable transformers causal LM.
 
-The source architecture's model class is built from config.json, each
-attention module is swapped for `MLAAttention`, and the converted weights are
-loaded strictly (every tensor used, none missing but a tied lm_head).
+`MLAForCausalLM` (the class transformers' Auto classes load): the source architecture's model
+built from config.json with every attention module swapped for `MLAAttention`, its weights given
+storage directly on the target device and not initialised, then filled with the converted
+tensors strictly (every tensor used, none missing but a tied lm_head), each read once.
 """
 
 import json
@@ -12,7 +13,7 @@ import torch
 
 from convert.arch import ARCHS
 from convert.errors import ConvertError
-from convert.hf import build_causal_lm, fill_strict, layer_rotary, load_strict
+from convert.hf import MLAForCausalLM, allocate, fill_strict, layer_rotary, load_strict
 from convert.io import open_checkpoint
 from convert.mla.attention import build_mla_attention
 from convert.mla.schema import check_converted
@@ -38,8 +39,26 @@ def _resolve_dtype(dtype, config: dict) -> torch.dtype:
         return dtype
     name = dtype or config.get("dtype") or config.get("torch_dtype") or "float32"
     if name not in TORCH_DTYPES:
-        raise ConvertError(f"dtype {name!r} is not one of {', '.join(TORCH_DTYPES)}")
+        raise ConvertError(f"dtype {name!r} is not one of {', '.join(TORCH_DTYPES)}; pass one of them or a torch dtype")
     return TORCH_DTYPES[name]
+
+
+def _resolve_device(device) -> torch.device:
+    """The device to load onto (default CPU); ConvertError, saying what to pass, where torch cannot use it."""
+    try:
+        device = torch.device(device or "cpu")
+    except (RuntimeError, TypeError) as err:
+        raise ConvertError(f"device {device!r} is not a torch device ({err}); pass 'cpu' or 'cuda'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConvertError(
+            f"device={str(device)!r}: CUDA is not available here (torch built without CUDA or no GPU visible); "
+            "pass device='cpu'"
+        )
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConvertError(
+            f"device={str(device)!r}: only {torch.cuda.device_count()} CUDA device(s) here; pass device='cuda:0'"
+        )
+    return device
 
 
 def swap_attention(model, mla: dict) -> None:
@@ -60,15 +79,15 @@ def weight_files(path: Path) -> list[Path]:
     return [path / "model.safetensors"]
 
 
-def build_mla_model(config: dict, state: dict, dtype: torch.dtype = torch.float32):
+def build_mla_model(config: dict, state: dict, dtype: torch.dtype = torch.float32, device="cpu"):
     """An MLA causal LM from a converted config (with `mla`) and state dict, in memory."""
-    model = _empty_mla_model(config, dtype)
+    model = _empty_mla_model(config, dtype, device)
     load_strict(model, state, "converted weights")
     return model.eval()
 
 
-def _empty_mla_model(config: dict, dtype: torch.dtype):
-    """The source architecture's causal LM with MLA attention, weights not loaded."""
+def _empty_mla_model(config: dict, dtype: torch.dtype, device="cpu") -> MLAForCausalLM:
+    """The converted model, its weights allocated on `device`, not initialised (nor loaded)."""
     mla = config["mla"]
     arch = ARCHS.get(mla["source_architecture"])
     if arch is None or arch.hf_attention is None:
@@ -76,28 +95,29 @@ def _empty_mla_model(config: dict, dtype: torch.dtype):
             f"source architecture {mla['source_architecture']!r} has no runnable transformers model; "
             "use `convert verify` for per-layer checks"
         )
-    model = build_causal_lm(config, dtype)
-    swap_attention(model, mla)
-    return model
+    return allocate(MLAForCausalLM.from_converted_config(config, dtype), device)
 
 
 def load_mla_model(path, device=None, dtype=None):
     """Build the source architecture's causal LM with MLA attention and load the weights.
 
     path: a directory written by `convert gqa2mla`. device: torch device (default
-    CPU). dtype: torch dtype or name (default: the checkpoint's). Supports
+    CPU), where the weights are allocated and read into (no copy elsewhere first).
+    dtype: torch dtype or name (default: the checkpoint's). Returns the
+    `MLAForCausalLM` that `AutoModelForCausalLM.from_pretrained(path)` returns:
     `model(input_ids).logits` and `model.generate(...)`; the KV cache holds
     latents only.
     """
     path = Path(path)
     config = read_mla_config(path)
+    device, dtype = _resolve_device(device), _resolve_dtype(dtype, config)
     try:
-        model = _empty_mla_model(config, _resolve_dtype(dtype, config))
+        model = _empty_mla_model(config, dtype, device)
     except ConvertError as err:
         raise ConvertError(f"{path}: {err}") from None
     with open_checkpoint(path) as checkpoint:  # a tensor at a time: the model is the peak
         fill_strict(model, checkpoint, f"{path}: converted weights")
-    return model.eval().to(device or "cpu")
+    return model.eval()
 
 
 def cache_bytes_per_token(model, n_tokens: int = 8, as_dtype: torch.dtype | None = None) -> float:
