@@ -1,31 +1,44 @@
 #!/usr/bin/env python3
-"""Decode cost of one SmolLM2-135M attention layer: original GQA vs converted MLA.
+"""Prefill and decode cost of one attention layer: original GQA vs converted MLA.
 
-Variants (float32, one layer, batch 1):
+Models (`--model`):
 
-  gqa-eager      transformers' LlamaAttention with the eager attention
-                 (repeat_kv, matmul, softmax), a DynamicCache of keys/values
-  gqa-sdpa       the same module with attn_implementation="sdpa"
-  mla-absorbed   convert.mla.MLAAttention, absorbed layout: MQA with head dim
-                 r_K over the cached (rotated) key latent and the value latent
-  mla-factored   MLAAttention, factored layout: the latent is up-projected to
-                 per-head keys/values at every step, then RoPE
+  smollm2        layer `--layer` of the real SmolLM2-135M (H 9, G 3, d 64, D 576)
+  llama8b-shape  one Llama-3-8B-shape attention layer, nothing downloaded: D 4096,
+                 H 32, G 8, d 128, rope_theta 500000, random weights N(0, 1/fan_in)
+                 (scores of order one: attention far from uniform); its MLP and
+                 vocabulary are token-sized, they are not measured
+
+Variants (float32, one layer, batch `--batch`):
+
+  gqa-eager          transformers' LlamaAttention with the eager attention
+                     (repeat_kv, matmul, softmax), a DynamicCache of keys/values
+  gqa-sdpa           the same module with attn_implementation="sdpa"
+  mla-absorbed       convert.mla.MLAAttention, absorbed layout: MQA with head dim
+                     r_K over the cached (rotated) key latent and the value latent,
+                     through torch's scaled_dot_product_attention
+  mla-factored       MLAAttention, factored layout: the latent is up-projected to
+                     per-head keys/values at every step, then RoPE, then SDPA
+  mla-*-eager        the same MLA modules with `attn_impl = "eager"` (explicit
+                     (B, H, L, S) scores), not run unless named in --variants
 
 MLA modules come from `convert.convert_state_dict(model.state_dict(),
-model.config, layout=...)`, built as tests/conftest.py does, with the model's
-own rotary embedding. Each variant's DynamicCache is pre-filled to the
-context length by running the module itself on the same random hidden states
-(chunks of 512 tokens, positions 0..ctx-1). A timed step is one new token:
-hidden state (1, 1, D), position ctx, position_embeddings from the model's
-rotary_emb, attention_mask=None, on a deep copy of the pre-filled cache (made
-untimed), so every step sees exactly `ctx` cached tokens. The step includes
-the cache append (DynamicCache concatenates). Steps of all variants are
-interleaved (order rotates each step). KV bytes per token: bytes of the
-tensors the cache layer really holds (keys, values, and the factored layout's
-cached positions) / ctx. The new token's output of every variant is compared
+model.config, layout=...)` (exact ranks), built as tests/conftest.py does, with
+the model's own rotary embedding. Prefill (timed): the module itself runs on
+`ctx` random hidden states (positions 0..ctx-1, attention_mask=None: its own
+causal mask) in chunks of `--prefill-chunk` tokens (default: one call), filling
+a fresh DynamicCache. A timed decode step is one new token: hidden state
+(B, 1, D), position ctx, position_embeddings from the model's rotary_emb,
+attention_mask=None, on a deep copy of the pre-filled cache (made untimed), so
+every step sees exactly `ctx` cached tokens. The step includes the cache append
+(DynamicCache concatenates). Variants are interleaved (order rotates each step
+and repeat). KV bytes per token: bytes of the tensors the cache layer really
+holds (keys, values, and the factored layout's cached positions) / (ctx·B). The
+outputs of every variant (the last prefill chunk and the new token) are compared
 with gqa-sdpa's (relative error) as a sanity check.
 
-    python bench/decode.py [--repeat 5] [--steps 20] [--contexts 1024 2048 4096 8192] [--device auto|cpu|cuda]
+    python bench/decode.py [--model smollm2|llama8b-shape] [--batch 1] [--repeat 5] [--steps 20]
+                           [--contexts 1024 2048 4096 8192] [--device auto|cpu|cuda]
 """
 
 from __future__ import annotations
@@ -39,21 +52,60 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-VARIANTS = ("gqa-eager", "gqa-sdpa", "mla-absorbed", "mla-factored")
+VARIANTS = ("gqa-eager", "gqa-sdpa", "mla-absorbed", "mla-factored", "mla-absorbed-eager", "mla-factored-eager")
+DEFAULT_VARIANTS = {
+    "smollm2": ("gqa-eager", "gqa-sdpa", "mla-absorbed", "mla-factored"),
+    "llama8b-shape": ("gqa-sdpa", "mla-absorbed", "mla-factored"),
+}
+DEFAULT_CONTEXTS = {  # (cpu, cuda)
+    "smollm2": ([1024, 2048, 4096, 8192], [1024, 2048, 4096, 8192]),
+    "llama8b-shape": ([1024, 2048, 4096], [1024, 2048, 4096, 8192]),
+}
+# Llama-3-8B's attention (config.json of meta-llama/Meta-Llama-3-8B)
+LLAMA8B_SHAPE = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0)
+
+
+def llama8b_shape_model(max_positions: int, dtype):
+    """One Llama-3-8B-shape decoder layer with random attention weights (tiny MLP and vocabulary)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        **LLAMA8B_SHAPE,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        vocab_size=64,
+        max_position_embeddings=max(8192, max_positions),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.model.layers[0].self_attn.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
+    return model
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     C.add_common_args(parser, "decode")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--model", default="smollm2", choices=sorted(DEFAULT_VARIANTS))
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    parser.add_argument(
+        "--contexts", type=int, nargs="+", help="cached tokens (default: 1k-8k; llama8b-shape on CPU 1k-4k)"
+    )
     parser.add_argument(
         "--steps", type=int, default=20, help="timed steps per variant, context and repeat (default 20)"
     )
-    parser.add_argument("--layer", type=int, default=0, help="which layer (default 0)")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--layer", type=int, default=0, help="which layer of smollm2 (default 0)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="default: see the module docstring")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--prefill-chunk", type=int, default=0, help="tokens per prefill call (default 0: one call)")
     args = parser.parse_args(argv)
+    if args.model == "llama8b-shape" and args.out == C.RESULTS / "decode.json":
+        args.out = C.RESULTS / "decode_llama8b_shape.json"
+    args.variants = args.variants or list(DEFAULT_VARIANTS[args.model])
 
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -71,6 +123,8 @@ def main(argv=None) -> int:
         parser.error(str(err))
     dtype = torch.float32
     cuda = device.type == "cuda"
+    args.contexts = args.contexts or DEFAULT_CONTEXTS[args.model][cuda]
+    B = args.batch
 
     def sync():
         if cuda:
@@ -78,106 +132,128 @@ def main(argv=None) -> int:
 
     quiet = C.wait_quiet(args.max_load, args.wait, args.max_busy)
     whole_run = C.Contention()
-    src = C.smollm2_dir()
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype).eval()
+    max_ctx = max(args.contexts)
+    if args.model == "smollm2":
+        model = AutoModelForCausalLM.from_pretrained(str(C.smollm2_dir()), dtype=dtype).eval()
+        i, what = args.layer, f"one SmolLM2-135M attention layer (layer {args.layer})"
+    else:
+        model = llama8b_shape_model(max_ctx + 1, dtype)
+        i, what = 0, "one Llama-3-8B-shape attention layer (random weights)"
     config = model.config
-    i = args.layer
     D = config.hidden_size
     rotary = model.model.rotary_emb.to(device)
 
-    modules = {}
-    for impl in ("eager", "sdpa"):
-        if f"gqa-{impl}" in args.variants:
+    modules, impl = {}, {}  # variant -> module, and MLA's attn_impl for it
+    for kind in ("eager", "sdpa"):
+        if f"gqa-{kind}" in args.variants:
             cfg = copy.copy(config)
-            cfg._attn_implementation = impl
+            cfg._attn_implementation = kind
             attn = LlamaAttention(cfg, i)
             attn.load_state_dict(model.model.layers[i].self_attn.state_dict())
-            modules[f"gqa-{impl}"] = attn.to(device=device, dtype=dtype).eval()
+            modules[f"gqa-{kind}"] = attn.to(device=device, dtype=dtype).eval()
     mla_info = {}
     for layout in ("absorbed", "factored"):
-        if f"mla-{layout}" not in args.variants:
+        wanted = [v for v in (f"mla-{layout}", f"mla-{layout}-eager") if v in args.variants]
+        if not wanted:
             continue
+        t0 = time.perf_counter()
         converted = convert.convert_state_dict(model.state_dict(), config, layout=layout)
         mla = converted.config["mla"]
-        module = build_mla_attention(mla, i, layer_tensors(converted, mla, i), rotary=rotary, dtype=dtype)
-        modules[f"mla-{layout}"] = module.to(device)
+        module = build_mla_attention(mla, i, layer_tensors(converted, mla, i), rotary=rotary, dtype=dtype).to(device)
+        for v in wanted:  # one module, its attention implementation set per call
+            modules[v], impl[v] = module, "eager" if v.endswith("-eager") else "sdpa"
         mla_info[layout] = {k: v for k, v in mla["layers"][i].items() if k.startswith("rank")}
+        print(f"converted ({layout}) in {time.perf_counter() - t0:.1f}s: {mla_info[layout]}", flush=True)
         del converted
     variants = [v for v in VARIANTS if v in modules]
     params = {v: sum(p.numel() for p in m.parameters()) for v, m in modules.items()}
     del model
 
     gen = torch.Generator().manual_seed(0)
-    max_ctx = max(args.contexts)
-    hidden = torch.randn(1, max_ctx + 1, D, generator=gen).to(device, dtype)  # post-norm scale
+    hidden = torch.randn(B, max_ctx + 1, D, generator=gen).to(device, dtype)  # post-norm scale
 
-    def step(name, cache, ctx):
-        x = hidden[:, ctx : ctx + 1]
-        pos = torch.tensor([[ctx]], device=device)
-        pe = rotary(x, pos)
-        return modules[name](x, position_embeddings=pe, attention_mask=None, past_key_values=cache, position_ids=pos)[0]
+    def causal_mask(name, start, stop):
+        """None where the module's own causal mask is right: MLA always (bottom-right aligned),
+        transformers' SDPA without cached keys (is_causal); else additive (1, 1, L, S)."""
+        if name in impl or stop - start == 1 or (name == "gqa-sdpa" and start == 0):
+            return None
+        mask = torch.full((stop - start, stop), float("-inf"), device=device, dtype=dtype)
+        return mask.triu(start + 1)[None, None]
+
+    def run(name, start, stop, cache):
+        if name in impl:
+            modules[name].attn_impl = impl[name]
+        x = hidden[:, start:stop]
+        pos = torch.arange(start, stop, device=device)[None].expand(B, -1)
+        pe, mask = rotary(x, pos), causal_mask(name, start, stop)
+        return modules[name](x, position_embeddings=pe, attention_mask=mask, past_key_values=cache, position_ids=pos)[0]
 
     def prefill(name, ctx):
-        cache = DynamicCache(config=config)
-        for start in range(0, ctx, args.prefill_chunk):
-            stop = min(ctx, start + args.prefill_chunk)
-            x = hidden[:, start:stop]
-            pos = torch.arange(start, stop, device=device)[None]
-            pe = rotary(x, pos)
-            modules[name](x, position_embeddings=pe, attention_mask=None, past_key_values=cache, position_ids=pos)
+        """(cache, output of the last chunk, seconds)."""
+        cache, chunk = DynamicCache(config=config), args.prefill_chunk or ctx
         sync()
-        return cache
+        t0 = time.perf_counter()
+        for start in range(0, ctx, chunk):
+            out = run(name, start, min(ctx, start + chunk), cache)
+        sync()
+        return cache, out, time.perf_counter() - t0
 
     def cache_bytes(cache):
         layer = cache.layers[i]
-        total = 0
-        for t in (layer.keys, layer.values, getattr(layer, "mla_positions", None)):
-            if t is not None:
-                total += t.numel() * t.element_size()
-        return total
+        tensors = (layer.keys, layer.values, getattr(layer, "mla_positions", None))
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def rel(out, ref):
+        return float((out.double() - ref.double()).norm() / ref.double().norm())
 
     samples = {f"{ctx}:{v}": [] for ctx in args.contexts for v in variants}
-    kv = {}
-    check = {}
-    contention = []
+    prefills = {f"{ctx}:{v}": [] for ctx in args.contexts for v in variants}
+    kv, check, contention = {}, {}, []
     with torch.no_grad():
-        caches = {}
-        for ctx in args.contexts:
-            for v in variants:
-                caches[(ctx, v)] = prefill(v, ctx)
-                kv[f"{ctx}:{v}"] = {
-                    "bytes": cache_bytes(caches[(ctx, v)]),
-                    "per_token": cache_bytes(caches[(ctx, v)]) / ctx,
-                    "keys_shape": list(caches[(ctx, v)].layers[i].keys.shape),
-                    "values_shape": list(caches[(ctx, v)].layers[i].values.shape),
-                }
-            outs = {v: step(v, copy.deepcopy(caches[(ctx, v)]), ctx) for v in variants}
-            ref = outs.get("gqa-sdpa", outs[variants[0]])
-            check[ctx] = {v: float((o.double() - ref.double()).norm() / ref.double().norm()) for v, o in outs.items()}
-        print(f"prefilled contexts {args.contexts} on {device}; output rel. error vs gqa-sdpa: {check}", flush=True)
+        warm = min(256, max_ctx)
         for v in variants:  # warm-up (untimed)
-            for _ in range(3):
-                step(v, copy.deepcopy(caches[(args.contexts[0], v)]), args.contexts[0])
+            cache = prefill(v, warm)[0]
+            for _ in range(2):
+                run(v, warm, warm + 1, copy.deepcopy(cache))
         sync()
-
         for rep in range(args.repeat):
             watch = C.Contention()
             for ctx in args.contexts:
+                caches, outs = {}, {}
+                for v in C.rotate(variants, rep):
+                    caches[v], out, seconds = prefill(v, ctx)
+                    prefills[f"{ctx}:{v}"].append(seconds)
+                    if rep == 0:
+                        outs[v] = (out, run(v, ctx, ctx + 1, copy.deepcopy(caches[v])))
+                        kv[f"{ctx}:{v}"] = {
+                            "bytes": cache_bytes(caches[v]),
+                            "per_token": cache_bytes(caches[v]) / (ctx * B),
+                            "keys_shape": list(caches[v].layers[i].keys.shape),
+                            "values_shape": list(caches[v].layers[i].values.shape),
+                        }
+                if rep == 0:
+                    ref = outs.get("gqa-sdpa", outs[variants[0]])
+                    check[ctx] = {
+                        v: {"prefill": rel(o[0], ref[0]), "decode": rel(o[1], ref[1])} for v, o in outs.items()
+                    }
+                    print(f"context {ctx}: output rel. error vs gqa-sdpa {check[ctx]}", flush=True)
                 for s in range(args.steps):
                     for v in C.rotate(variants, s + rep):
-                        cache = copy.deepcopy(caches[(ctx, v)])
+                        cache = copy.deepcopy(caches[v])
                         sync()
                         t0 = time.perf_counter()
-                        step(v, cache, ctx)
+                        run(v, ctx, ctx + 1, cache)
                         sync()
                         samples[f"{ctx}:{v}"].append(time.perf_counter() - t0)
                         del cache
+                del caches
             contention.append(watch.report())
             print(
                 f"repeat {rep + 1}/{args.repeat}: "
                 + ", ".join(
-                    f"{ctx}/{v} {C.median(samples[f'{ctx}:{v}'][-args.steps :]) * 1e3:.2f}ms"
+                    f"{ctx}/{v} prefill {prefills[f'{ctx}:{v}'][-1]:.2f}s "
+                    f"step {C.median(samples[f'{ctx}:{v}'][-args.steps :]) * 1e3:.2f}ms"
                     for ctx in args.contexts
                     for v in variants
                 )
@@ -187,14 +263,18 @@ def main(argv=None) -> int:
 
     summary, rows = {}, []
     for ctx in args.contexts:
-        base = C.median(samples[f"{ctx}:gqa-sdpa"]) if "gqa-sdpa" in variants else None
-        base_kv = kv[f"{ctx}:gqa-sdpa"]["per_token"] if "gqa-sdpa" in variants else None
+        has_base = "gqa-sdpa" in variants
+        base = C.median(samples[f"{ctx}:gqa-sdpa"]) if has_base else None
+        base_prefill = C.median(prefills[f"{ctx}:gqa-sdpa"]) if has_base else None
+        base_kv = kv[f"{ctx}:gqa-sdpa"]["per_token"] if has_base else None
         for v in variants:
             key = f"{ctx}:{v}"
-            med = C.median(samples[key])
+            med, med_prefill = C.median(samples[key]), C.median(prefills[key])
             summary[key] = {
                 "context": ctx,
                 "variant": v,
+                "median_prefill_s": med_prefill,
+                "prefill_vs_gqa_sdpa": None if base is None else med_prefill / base_prefill,
                 "median_step_s": med,
                 "time_vs_gqa_sdpa": None if base is None else med / base,
                 "kv_bytes_per_token": kv[key]["per_token"],
@@ -206,24 +286,29 @@ def main(argv=None) -> int:
                 [
                     ctx,
                     v,
+                    med_prefill,
+                    s["prefill_vs_gqa_sdpa"],
                     med * 1e3,
                     s["time_vs_gqa_sdpa"],
                     f"{kv[key]['per_token']:.0f}",
                     s["kv_vs_gqa_sdpa"],
-                    check[ctx][v],
+                    max(check[ctx][v].values()),
                 ]
             )
 
     where = torch.cuda.get_device_name(device) if cuda else f"CPU, {torch.get_num_threads()} threads"
+    chunk = f"chunks of {args.prefill_chunk}" if args.prefill_chunk else "one call"
     print(
-        f"\n### Decode, one SmolLM2-135M attention layer (layer {i}), float32, batch 1, {where}; "
-        f"medians of {args.repeat}×{args.steps} steps\n"
+        f"\n### Prefill and decode, {what}, float32, batch {B}, {where}; prefill in {chunk}, "
+        f"medians of {args.repeat} prefills and {args.repeat}×{args.steps} steps\n"
     )
     print(
         C.table(
             [
                 "context",
                 "variant",
+                "prefill s",
+                "prefill / gqa-sdpa",
                 "ms / token",
                 "time / gqa-sdpa",
                 "KV bytes / token",
@@ -233,32 +318,38 @@ def main(argv=None) -> int:
             rows,
         )
     )
-    run = whole_run.report()
-    print("\n" + C.contention_line(run))
+    run_report = whole_run.report()
+    print("\n" + C.contention_line(run_report))
 
     data = C.header("decode", str(device), quiet)
     data.update(
         {
+            "model": args.model,
             "layer": i,
+            "batch": B,
             "dtype": "float32",
             "variants": variants,
             "attention_implementations": {
                 "gqa-eager": "transformers LlamaAttention, eager",
                 "gqa-sdpa": "transformers LlamaAttention, sdpa",
-                "mla-absorbed": "convert.mla.MLAAttention absorbed",
-                "mla-factored": "convert.mla.MLAAttention factored",
+                "mla-absorbed": "convert.mla.MLAAttention absorbed, sdpa",
+                "mla-factored": "convert.mla.MLAAttention factored, sdpa",
+                "mla-absorbed-eager": "convert.mla.MLAAttention absorbed, eager scores",
+                "mla-factored-eager": "convert.mla.MLAAttention factored, eager scores",
             },
             "mla_ranks": mla_info,
             "parameters": params,
             "contexts": args.contexts,
+            "prefill_chunk": args.prefill_chunk or None,
             "steps": args.steps,
             "repeat": args.repeat,
+            "prefill_samples_s": prefills,
             "samples_s": samples,
             "kv_cache": kv,
             "rel_error_vs_gqa_sdpa": check,
             "summary": summary,
             "contention_per_repeat": contention,
-            "contention": run,
+            "contention": run_report,
             "torch_threads": torch.get_num_threads(),
         }
     )

@@ -16,9 +16,15 @@ The cache (a transformers `Cache`) holds latents only: keys slot (B, 1, S, r_K),
 values slot (B, 1, S, r_V) (joint: values slot empty, the key latent serves
 both). The factored layout with RoPE also keeps each cached token's position
 (int64) beside the latent, because RoPE is applied after the up-projection.
+
+Attention runs through `torch.nn.functional.scaled_dot_product_attention` (SDPA): the
+module builds no (B, H, L, S) scores and no per-head copy of the latent, and a fused
+kernel (torch's CPU flash kernel: float64 to float16) keeps none either. Explicit scores
+("eager") only for soft-capping, which SDPA cannot express.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from convert.linalg.rope import latent_groups, latent_ungroup
@@ -96,6 +102,8 @@ class MLAAttention(nn.Module):
         self.n_heads, self.head_dim = mla["n_heads"], mla["head_dim"]
         self.scaling = mla["softmax_scale"]
         self.softcap = mla.get("softcap")  # Gemma 2: scores -> cap·tanh(scores/cap), before the mask
+        # "sdpa" (torch's fused kernels) or "eager" (explicit scores: the reference, and soft-capping)
+        self.attn_impl = "sdpa"
         self.rope = mla["rope"] is not None
         self.is_causal = causal
         rank_k = layer["rank_kv"] if self.joint else layer["rank_k"]
@@ -198,6 +206,13 @@ class MLAAttention(nn.Module):
 
     def _attend(self, q, k, v, attention_mask):
         """q (B, H, L, e), k (B, 1|H, S, e), v (B, 1|H, S, f) -> (B, L, H·f)."""
+        # SDPA has no score soft-capping (Gemma 2's cap·tanh(scores/cap)): only eager can express it
+        eager = self.attn_impl == "eager" or self.softcap is not None
+        out = (self._attend_eager if eager else self._attend_sdpa)(q, k, v, attention_mask)  # (B, H, L, f)
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)  # (B, L, H·f)
+
+    def _attend_eager(self, q, k, v, attention_mask):
+        """Explicit (B, H, L, S) scores; a fully masked row (boolean mask) gives NaN."""
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling  # (B, H, L, S)
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
@@ -209,8 +224,49 @@ class MLAAttention(nn.Module):
             scores = scores + _causal_mask(q.shape[-2], k.shape[-2], scores, self.sliding_window)
         # float32 at least, as transformers does for half precision; float64 stays float64
         probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
-        out = torch.matmul(probs, v)  # (B, H, L, f)
-        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)  # (B, L, H·f)
+        return torch.matmul(probs, v)  # (B, H, L, f)
+
+    def _attend_sdpa(self, q, k, v, attention_mask):
+        """The same attention through SDPA (same masks; a fully masked row gives 0, not NaN).
+
+        The latent (k.shape[1] == 1) is shared by all heads and never copied per head: a
+        decode step folds the heads into the query length (few passes over the cache); a
+        prefill expands it over heads as a stride-0 view, which torch's fused CPU kernel
+        reads in place (`enable_gqa` would do the same but needs torch >= 2.5). Masks
+        broadcast over heads: at most (B, 1, L, S), never (B, H, L, S).
+        """
+        n_heads, length, seq = q.shape[1], q.shape[2], k.shape[-2]
+        mask, causal = attention_mask, False
+        if mask is not None:
+            mask = mask[..., :seq]
+            if mask.dtype != torch.bool and mask.dtype != q.dtype:
+                mask = mask.to(q.dtype)  # SDPA takes an additive mask in the query's dtype only
+        elif self.is_causal and length > 1:
+            if length == seq and self.sliding_window is None:
+                causal = True  # SDPA's causal mask is top-left aligned: right only without cached keys
+            else:
+                mask = _causal_mask(length, seq, q, self.sliding_window)  # (L, S)
+        if k.shape[1] != n_heads and length == 1:
+            return self._decode_shared_latent(q, k, v, mask)
+        value_dim = v.shape[-1]
+        q, k, v = _same_head_dim(q, k, v)
+        if k.shape[1] != n_heads:
+            k, v = k.expand(-1, n_heads, -1, -1), v.expand(-1, n_heads, -1, -1)  # stride-0 views
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling)
+        return out[..., :value_dim]  # (B, H, L, f)
+
+    def _decode_shared_latent(self, q, k, v, mask):
+        """One query per head against the shared latent: the heads folded into the query length
+        of `groups` work items, each reading the cache once (MQA) instead of once per head."""
+        batch, n_heads = q.shape[:2]
+        groups = _decode_groups(n_heads, batch, q.device)
+        q = q.reshape(batch, groups, n_heads // groups, q.shape[-1])  # (B, g, H/g, e)
+        k, v = k.expand(-1, groups, -1, -1), v.expand(-1, groups, -1, -1)  # (B, g, S, ·), stride-0 views
+        if mask is not None and mask.dim() == 4:
+            mask = mask.expand(-1, n_heads, -1, -1)  # (B|1, H, 1, S), a view
+            mask = mask.reshape(mask.shape[0], groups, n_heads // groups, -1)  # (B|1, g, H/g, S)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)  # (B, g, H/g, f)
+        return out.reshape(batch, n_heads, 1, -1)  # (B, H, 1, f)
 
     def _absorbed(self, x, position_embeddings, attention_mask, cache):
         c_k, c_v = self.latents(x)  # (B, L, r_K), (B, L, r_V)
@@ -305,6 +361,29 @@ def _remember_positions(layer, positions: torch.Tensor, seq: int) -> torch.Tenso
     attended = torch.cat([previous, positions], dim=-1)  # (B, S)
     layer.mla_positions = attended[:, attended.shape[-1] - layer.keys.shape[-2] :]
     return attended
+
+
+def _decode_groups(n_heads: int, batch: int, device: torch.device) -> int:
+    """Work items per sequence for a decode step over the shared latent. torch's CPU kernel gives
+    each (sequence, group) one thread: as many groups as threads per sequence (one group leaves
+    the other threads idle; one per head reads the cache H times: 3-6x slower single-threaded at
+    S = 1-4K, r = 1024). Elsewhere one per head, as for GQA (not measured here)."""
+    if device.type != "cpu":
+        return n_heads
+    most = max(1, torch.get_num_threads() // batch)
+    return max(g for g in range(1, min(n_heads, most) + 1) if n_heads % g == 0)
+
+
+def _same_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Zero-pad q, k or v to one head dim (r_K != r_V): torch's fused CPU kernel needs it, else
+    SDPA falls back to its math backend and its (B, H, L, S) scores. Zero dims add nothing to
+    a score, and padded value dims are sliced off the output."""
+    e, f = k.shape[-1], v.shape[-1]
+    if e < f:
+        return F.pad(q, (0, f - e)), F.pad(k, (0, f - e)), v  # k still (B, 1, S, ·): padded once, not per head
+    if f < e:
+        return q, k, F.pad(v, (0, e - f))
+    return q, k, v
 
 
 def _causal_mask(length: int, total: int, like: torch.Tensor, window: int | None = None) -> torch.Tensor:
