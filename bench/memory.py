@@ -120,21 +120,22 @@ def run_child(args: list[str]) -> dict:
     return result
 
 
-def write_synthetic(directory: Path, layers: int, seed: int = 0) -> dict:
-    """Llama-3-8B's shape with `layers` decoder layers, random bfloat16, one shard per layer."""
+def write_synthetic(directory: Path, layers: int, seed: int = 0, device="cpu", base: dict = LLAMA3_8B) -> dict:
+    """Llama-3-8B's shape (or `base`'s) with `layers` decoder layers, random bfloat16 made on `device`,
+    one shard per layer."""
     import torch
     from safetensors.torch import save_file
 
     from convert.hf import meta_state_dict
 
-    config = {**LLAMA3_8B, "num_hidden_layers": layers}
+    config = {**base, "num_hidden_layers": layers}
     directory.mkdir(parents=True, exist_ok=True)
     state = meta_state_dict(config)
     groups: dict[str, list[str]] = {}
     for name in state:
         key = name.split(".layers.")[1].split(".")[0] if ".layers." in name else name
         groups.setdefault(key, []).append(name)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
     weight_map, files = {}, sorted(groups)
     for i, key in enumerate(files):
         filename = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
@@ -144,7 +145,8 @@ def write_synthetic(directory: Path, layers: int, seed: int = 0) -> dict:
             if name.endswith("norm.weight"):
                 tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
             else:
-                tensors[name] = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+                noise = torch.randn(shape, generator=generator, device=device)
+                tensors[name] = (noise * 0.02).to(torch.bfloat16).cpu()
             weight_map[name] = filename
         save_file(tensors, str(directory / filename), metadata={"format": "pt"})
         del tensors
