@@ -6,19 +6,66 @@ Python API:
     to_mla(model, **options) -> the converted model, in memory (an nn.Module)
     heal(model_or_path, texts, original=..., **options) -> HealResult (KL distillation)
     load_mla_model(path, device=None, dtype=None) -> a transformers causal LM
+
+`import convert` imports torch and transformers and registers `convert_mla` with
+transformers' Auto classes, so `AutoModelForCausalLM.from_pretrained(converted_dir)`
+works right after it. The command line (the top-level `cli` module, the `convert`
+entry point) imports the package with LIGHT_IMPORT set instead: then nothing heavy is
+imported until a name below needs it, and `--help`, `--version` and refusals of bad
+flags answer at once. The CLI is told through the environment because nothing inside
+the package can be set before the package itself is imported. (Lazy for everyone would
+break `import convert` then `from_pretrained`: transformers has no hook to register a
+model type on its first use.)
 """
 
+import os
+
 from convert._version import __version__  # noqa: F401  (the public version)
-from convert.api import ConversionResult, MLAStateDict, convert_state_dict, gqa2mla, to_mla
 from convert.errors import ConvertError, EnvironmentFailure
-from convert.hf import MLAConfig, MLAForCausalLM, register
 from convert.options import ConvertOptions
 
-register()  # `convert_mla` checkpoints load with transformers' Auto classes once convert is imported
+#: Set to "1" around `import convert` by the command line only (cli.py); see the docstring.
+LIGHT_IMPORT = "CONVERT_LIGHT_IMPORT"
+
+# The names that need torch and transformers, and where they live.
+_HEAVY = {
+    "ConversionResult": "convert.api",
+    "MLAStateDict": "convert.api",
+    "convert_state_dict": "convert.api",
+    "gqa2mla": "convert.api",
+    "to_mla": "convert.api",
+    "MLAConfig": "convert.hf",
+    "MLAForCausalLM": "convert.hf",
+    "register": "convert.hf",
+}
+
+
+def _load() -> None:
+    """Import the heavy names into the package and register `convert_mla` (once)."""
+    import importlib
+
+    if "register" in globals():
+        return
+    names = {name: getattr(importlib.import_module(module), name) for name, module in _HEAVY.items()}
+    names["register"]()
+    globals().update(names)
+
+
+def __getattr__(name: str):
+    """The heavy names on first use after a light import (PEP 562; never reached after a full one)."""
+    if name in _HEAVY:
+        _load()
+        return globals()[name]
+    raise AttributeError(f"module 'convert' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HEAVY})
 
 
 def heal(model_or_path, texts, **kwargs):
     """Distil a converted model toward the original's logits (see convert.healing.heal)."""
+    _load()
     from convert.healing import heal as _heal
 
     return _heal(model_or_path, texts, **kwargs)
@@ -26,9 +73,14 @@ def heal(model_or_path, texts, **kwargs):
 
 def load_mla_model(path, device=None, dtype=None):
     """Load a converted checkpoint as a runnable transformers causal LM (see convert.mla.model)."""
-    from convert.mla.model import load_mla_model as _load
+    _load()
+    from convert.mla.model import load_mla_model as _load_model
 
-    return _load(path, device=device, dtype=dtype)
+    return _load_model(path, device=device, dtype=dtype)
+
+
+if os.environ.get(LIGHT_IMPORT) != "1":
+    _load()  # `convert_mla` checkpoints load with transformers' Auto classes once convert is imported
 
 
 __all__ = [

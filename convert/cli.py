@@ -1,10 +1,14 @@
 """The `convert` command line: a thin click shim over `convert.api` and `convert.verify`.
 
-Every flag is built from a field of `ConvertOptions` / `VerifyOptions`
-(`convert.options`): declared once, so the CLI and the API take the same
-options. Exit codes (README, "Exit codes"): 0 PASS, 1 verification FAIL, 2 bad
-input or usage, 3 environment or I/O, 130 interrupted — each with one line on
-stderr.
+Every flag is built from a field of `ConvertOptions` / `VerifyOptions` / `HealOptions`
+(`convert.options`): declared once, so the CLI and the API take the same options, and
+`--help` lists them in the sections declared there. Exit codes (README, "Exit codes"):
+0 PASS, 1 verification FAIL, 2 bad input or usage, 3 environment or I/O, 130
+interrupted — each with one line on stderr; each command's `--help` shows its own.
+
+Light at import (no torch, no transformers; the `cli` module imports the package
+light): `--help`, `--version`, usage errors and the options' own refusals answer at
+once. A command imports the API (`_load_api`) only once its options are valid.
 """
 
 import errno
@@ -15,33 +19,89 @@ from pathlib import Path
 
 import click
 
+from convert._version import __version__
 from convert.errors import ConvertError
-from convert.options import ConvertOptions, HealOptions, VerifyOptions, cli_fields, field_default
+from convert.options import GROUPS, ConvertOptions, HealOptions, VerifyOptions, cli_fields, field_default
 
-EXIT_CODES = """\b
-Exit codes:
-  0    PASS (or converted with --no-verify)
-  1    verification FAIL (the output and its report are kept)
-  2    bad input or usage: one line naming the file/field and the fix; nothing written
-  3    environment or I/O: disk full, permission, read-only, name too long, output locked
-  130  interrupted (Ctrl-C); a previous output is left intact
-"""
+_USAGE = ("2", "bad input or usage: one line naming the file/field and the fix; nothing written")
+_INTERRUPTED = ("130", "interrupted (Ctrl-C); a previous output is left intact")
+_IO = ("3", "environment or I/O: disk full, permission, read-only, name too long, output locked")
+
+
+def _exit_table(*rows: tuple[str, str]) -> str:
+    return "\b\nExit codes:\n" + "".join(f"  {code:<4} {meaning}\n" for code, meaning in rows)
+
+
+#: The whole command's table (README, "Exit codes"); each command's --help shows its own (`COMMAND_EXIT_CODES`).
+EXIT_CODES = _exit_table(
+    ("0", "PASS (or done: converted with --no-verify, healed)"),
+    ("1", "verification FAIL"),
+    _USAGE,
+    _IO,
+    _INTERRUPTED,
+)
+COMMAND_EXIT_CODES = {
+    "gqa2mla": _exit_table(
+        ("0", "PASS (or converted with --no-verify)"),
+        ("1", "verification FAIL (the output and its report are kept)"),
+        _USAGE,
+        _IO,
+        _INTERRUPTED,
+    ),
+    "verify": _exit_table(
+        ("0", "PASS"),
+        ("1", "FAIL: one stderr line per failed check (and the report, with --report-dir)"),
+        ("2", "bad input or usage: one line naming the file/field and the fix"),
+        ("3", "environment or I/O: unreadable input, or --report-dir not writable"),
+        ("130", "interrupted (Ctrl-C)"),
+    ),
+    "heal": _exit_table(("0", "healed: the new directory and its report are written"), _USAGE, _IO, _INTERRUPTED),
+}
+
+
+class _Option(click.Option):
+    """A click option that knows its `--help` section (a key of `convert.options.GROUPS`)."""
+
+    def __init__(self, *args, group: str = "advanced", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group = group
+
+
+class _Command(click.Command):
+    """A command whose `--help` lists its options by section, in the order of GROUPS."""
+
+    def format_options(self, ctx, formatter):
+        sections: dict[str, list] = {group: [] for group in GROUPS}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx) if isinstance(param, click.Option) else None
+            if record is not None:  # arguments are named by the usage line
+                sections[getattr(param, "group", "advanced")].append(record)
+        for group, records in sections.items():
+            if records:
+                with formatter.section(GROUPS[group]):
+                    formatter.write_dl(records)
 
 
 def _click_option(f):
     """The click option of one options field."""
     meta, name = f.metadata, f.name
     default = field_default(f)
+    common = {"cls": _Option, "group": meta["group"], "help": meta["help"]}
     if meta["off_flag"]:  # a boolean that the flag switches off
         decls = [d for d in (meta["short"], meta["off_flag"]) if d]
-        return click.option(*decls, name, is_flag=True, flag_value=not default, default=default, help=meta["help"])
+        return click.option(*decls, name, is_flag=True, flag_value=not default, default=default, **common)
     decls = [d for d in (meta["short"], meta["flag"] or "--" + name.replace("_", "-")) if d]
     if isinstance(default, bool):
-        return click.option(*decls, name, is_flag=True, default=default, help=meta["help"])
+        return click.option(*decls, name, is_flag=True, default=default, **common)
     kind = click.Choice(meta["choices"]) if meta["choices"] else (meta["kind"] or type(default))
     if kind is Path:
         kind = click.Path(path_type=Path)
-    return click.option(*decls, name, type=kind, default=default, show_default=default is not None, help=meta["help"])
+    return click.option(*decls, name, type=kind, default=default, show_default=default is not None, **common)
+
+
+def _path_option(*decls, group: str, **kwargs):
+    """A path option of a command that is not an options field (-o, --report-dir, heal's texts)."""
+    return click.option(*decls, cls=_Option, group=group, type=click.Path(path_type=Path), **kwargs)
 
 
 def options_of(cls):
@@ -95,8 +155,17 @@ class _NoteHandler(logging.Handler):
         click.echo(f"note: {record.getMessage()}", err=True)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES)
-@click.version_option(package_name="convert", message="%(version)s")
+def _load_api() -> None:
+    """What `import convert` does outside the CLI, once a command has valid options: import the
+    API (torch, transformers) and register `convert_mla` with transformers' Auto classes (the
+    commands load converted checkpoints through them)."""
+    import convert
+
+    convert.register()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=EXIT_CODES)
+@click.version_option(__version__, message="%(version)s")
 def main():
     """Convert Grouped-Query-Attention checkpoints to Multi-head Latent Attention.
 
@@ -112,11 +181,9 @@ def main():
         logger.addHandler(_NoteHandler(level=logging.WARNING))
 
 
-@main.command(epilog=EXIT_CODES)
+@main.command(cls=_Command, epilog=COMMAND_EXIT_CODES["gqa2mla"])
 @click.argument("src", type=click.Path(path_type=Path))
-@click.option(
-    "-o", "--output", type=click.Path(path_type=Path), help="Output directory (default: <name>-mla beside the input)."
-)
+@_path_option("-o", "--output", group="output", help="Output directory (default: <name>-mla beside the input).")
 @options_of(ConvertOptions)
 @_exits_cleanly
 def gqa2mla(src, output, **options):
@@ -128,12 +195,27 @@ def gqa2mla(src, output, **options):
     converted attention is checked against the original and the report written
     beside the weights; a FAIL exits 1.
     """
+    ConvertOptions.from_kwargs(**options)  # refused before torch is imported; the API checks them again
+    if not src.exists():  # the words of convert.io's check, which needs torch
+        raise ConvertError(f"{src}: no such file or directory; check the checkpoint path")
+    _load_api()
     from convert.api import gqa2mla as run
 
     result = run(src, output, **options)
     if options["progress"]:
         _summary(result)
+    if result.passed is False:
+        _failures(result.report, result.output / "verification.md")
     sys.exit(0 if result.passed in (None, True) else 1)
+
+
+def _failures(report: dict, where: Path | None) -> None:
+    """A FAIL where the user looks, with -q too: one stderr line per failed check (the check, the
+    figure, the bound), then where the whole report is."""
+    for failure in report["failures"]:
+        click.echo(f"FAIL: {failure}", err=True)
+    if where is not None:
+        click.echo(f"report: {where}", err=True)
 
 
 def _summary(result) -> None:
@@ -150,47 +232,49 @@ def _summary(result) -> None:
         click.echo(f"verification: {result.report['verdict']} ({result.output / 'verification.md'})")
 
 
-@main.command(epilog=EXIT_CODES)
+@main.command(cls=_Command, epilog=COMMAND_EXIT_CODES["verify"])
 @click.argument("original", type=click.Path(path_type=Path))
 @click.argument("converted", type=click.Path(path_type=Path))
-@click.option(
-    "--report-dir", type=click.Path(path_type=Path), help="Write verification.json/.md here (default: print only)."
-)
+@_path_option("--report-dir", group="output", help="Write verification.json/.md here (default: print only).")
 @options_of(VerifyOptions)
 @_exits_cleanly
 def verify(original, converted, report_dir, **options):
     """Check CONVERTED (an MLA directory) against ORIGINAL (the GQA checkpoint):
     per layer and, for runnable architectures, end to end."""
+    VerifyOptions.from_kwargs(**options)  # refused before torch is imported
+    _load_api()
     from convert.verify import render_markdown, verify_paths, write_report
 
     report = verify_paths(original, converted, **options)
     if report_dir is not None:
         write_report(report, report_dir)
     click.echo(render_markdown(report) if options["progress"] else report["verdict"])
+    if report["verdict"] != "PASS":
+        _failures(report, None if report_dir is None else Path(report_dir) / "verification.md")
     sys.exit(0 if report["verdict"] == "PASS" else 1)
 
 
-@main.command(epilog=EXIT_CODES)
+@main.command(cls=_Command, epilog=COMMAND_EXIT_CODES["heal"])
 @click.argument("converted", type=click.Path(path_type=Path))
-@click.option(
+@_path_option(
     "--text",
     "texts",
+    group="training",
     multiple=True,
     required=True,
-    type=click.Path(path_type=Path),
     help="Text to heal on (UTF-8; repeat for several files). Use a different text than --eval-text.",
 )
-@click.option(
+@_path_option(
     "--eval-text",
-    type=click.Path(path_type=Path),
+    group="training",
     help="Held-out text for the before/after perplexity (default: the last eighth of --text).",
 )
-@click.option(
+@_path_option(
     "--original",
-    type=click.Path(path_type=Path),
+    group="output",
     help="The GQA checkpoint CONVERTED was made from (default: the one its verification.json names).",
 )
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="Output directory (default: <CONVERTED>-healed).")
+@_path_option("-o", "--output", group="output", help="Output directory (default: <CONVERTED>-healed).")
 @options_of(HealOptions)
 @_exits_cleanly
 def heal(converted, texts, eval_text, original, output, **options):
@@ -203,6 +287,8 @@ def heal(converted, texts, eval_text, original, output, **options):
     vLLM's latent-norm eps) and written under the same names: serve the healed directory as
     you would the export.
     """
+    HealOptions.from_kwargs(**options)  # refused before torch is imported
+    _load_api()
     from convert.healing import heal as run
     from convert.healing import healing_warnings
 

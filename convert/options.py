@@ -1,35 +1,64 @@
 """The options of a conversion and of a verification, declared once.
 
-Each field carries its CLI flag, help text and choices as metadata; `convert.cli`
-builds its click options from these fields, so the CLI and the Python API cannot
-drift apart (tests/test_cli_parity.py checks it). `VerifyOptions` are the fields
-`convert verify` takes; `ConvertOptions` adds those of `convert gqa2mla`.
+Each field carries its CLI flag, help text, choices and help section as metadata;
+`convert.cli` builds its click options from these fields, so the CLI and the Python
+API cannot drift apart (tests/test_cli_parity.py checks it). `VerifyOptions` are the
+fields `convert verify` takes; `ConvertOptions` adds those of `convert gqa2mla`.
+
+No torch at import: the CLI reads this module to answer --help and refuse bad flags
+at once (tests/test_cli_startup.py); torch is imported by the methods that return
+torch objects (`run_dtype`, `torch_device`, `TORCH_DTYPES`), on first use.
 """
 
+from __future__ import annotations
+
 from dataclasses import MISSING, dataclass, field, fields
+from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from convert.arch.registry import ARCHS, HEAD_MAPS
 from convert.errors import ConvertError
+
+if TYPE_CHECKING:
+    import torch
 
 TARGETS = ("mla", "transformers", "vllm")
 LAYOUTS = ("absorbed", "factored")
 LATENTS = ("split", "joint")
-HEAD_MAPS = ("grouped", "tiled")
 DEVICES = ("auto", "cpu", "cuda")
 E2E_MODES = ("auto", "whole", "streamed")
 METHODS = ("svd", "whitened", "fisher")
 ALLOCATIONS = ("uniform", "global")
 CALIBRATIONS = ("original", "sequential")
-TORCH_DTYPES = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-DTYPES = tuple(TORCH_DTYPES)
+ARCH_NAMES = tuple(ARCHS)  # --arch: the registry's families, in one place (help, choices and find_arch's error)
+DTYPES = ("float64", "float32", "bfloat16", "float16")
 RUN_DTYPES = ("auto", *DTYPES)  # verification: auto follows the checkpoint (`VerifyOptions.run_dtype`)
+
+#: The sections of `--help`, in the order people reach for them; `option(group=...)` names one.
+GROUPS = {
+    "output": "Input and output",
+    "layout": "Layout (exact)",
+    "compression": "Compression (lossy; the default is the exact conversion)",
+    "verification": "Verification",
+    "training": "Training",
+    "target": "Target",
+    "advanced": "Advanced",
+}
+
+
+@cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {name: getattr(torch, name) for name in DTYPES}
+
+
+def __getattr__(name: str):
+    """`TORCH_DTYPES` ({"float32": torch.float32, ...}), built on first use (PEP 562)."""
+    if name == "TORCH_DTYPES":
+        return _torch_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -41,6 +70,7 @@ def option(
     default,
     help: str,
     *,
+    group: str,
     choices=None,
     flag: str | None = None,
     short: str | None = None,
@@ -50,12 +80,16 @@ def option(
 ):
     """A dataclass field with its CLI description.
 
-    flag: the long flag (default `--field-name`); off_flag: for a boolean whose
-    CLI flag switches it off (`verify` <- `--no-verify`); kind: the click value
-    type when it differs from the default's (Path, int, float, str).
+    group: its section of `--help` (a key of GROUPS); flag: the long flag (default
+    `--field-name`); off_flag: for a boolean whose CLI flag switches it off (`verify` <-
+    `--no-verify`); kind: the click value type when it differs from the default's (Path,
+    int, float, str).
     """
+    if group not in GROUPS:
+        raise ValueError(f"group {group!r} is not one of {', '.join(GROUPS)}")
     meta = {
         "help": help,
+        "group": group,
         "choices": choices,
         "flag": flag,
         "short": short,
@@ -83,30 +117,45 @@ class VerifyOptions(_FromKwargs):
     conversion is judged. Every field is a flag of `convert verify` and `convert gqa2mla`."""
 
     text: Path | None = option(
-        None, "Real text to verify on (UTF-8); default: random tokens and hidden states.", kind=Path
+        None,
+        "Real text to verify on (UTF-8); default: random tokens and hidden states. A lossy conversion "
+        "needs it, with --max-ppl-ratio.",
+        group="verification",
+        kind=Path,
     )
-    tokens: int = option(256, "Tokens of --text (or random) to verify on.")
-    device: str = option("auto", "Where verification runs: auto = CUDA when present, else CPU.", choices=DEVICES)
+    tokens: int = option(256, "Tokens of --text (or random) to verify on.", group="verification")
+    device: str = option(
+        "auto", "Where verification runs: auto = CUDA when present, else CPU.", group="advanced", choices=DEVICES
+    )
     dtype: str = option(
         "auto",
-        "Precision of the verification run; thresholds follow the coarser of it and the checkpoint's. auto = "
+        "Precision of the verification run; thresholds follow the coarser of it and the checkpoint's (in "
+        "bfloat16/float16: 4x the noise floor of the original's equivalent twin, measured in the run). auto = "
         "float64 for a float32/float64 checkpoint, float32 for a bfloat16/float16 one (whose own round-off is "
         "8,000-65,000x float32's: float64 would buy nothing and double the memory).",
+        group="advanced",
         choices=RUN_DTYPES,
     )
     max_ppl_ratio: float | None = option(
-        None, "Lossy conversions: FAIL when converted/original perplexity on --text exceeds this.", kind=float
+        None,
+        "Lossy conversions: FAIL when converted/original perplexity on --text exceeds this (e.g. 1.2).",
+        group="verification",
+        kind=float,
     )
     e2e: str = option(
         "auto",
         "End-to-end check. streamed = one decoder layer of each model at a time, logits in vocabulary chunks "
-        "(memory: about two layers, whatever the model's size); auto = streamed, then greedy generation from "
-        "each whole model in turn (one in memory at a time, float32 unless --dtype says otherwise) when one "
-        "fits, else skipped with the reason; whole = both whole models in memory at once (the same figures "
-        "and greedy generation, in the run's dtype).",
+        "(memory: about two layers, whatever the model's size); auto = on a GPU whose free memory holds both "
+        "whole models, whole; else streamed, then greedy generation from each whole model in turn (one in "
+        "memory at a time, float32 unless --dtype says otherwise) when one fits, else skipped with the reason; "
+        "whole = both whole models in memory at once (the same figures and greedy generation, in the run's "
+        "dtype).",
+        group="advanced",
         choices=E2E_MODES,
     )
-    progress: bool = option(True, "No progress bar or summary.", flag="--quiet", short="-q", off_flag="--quiet")
+    progress: bool = option(
+        True, "No progress bar or summary.", group="advanced", flag="--quiet", short="-q", off_flag="--quiet"
+    )
 
     def __post_init__(self) -> None:
         _choice("--device", self.device, DEVICES)
@@ -121,16 +170,20 @@ class VerifyOptions(_FromKwargs):
 
     def run_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         """The verification run's dtype for a checkpoint stored in `checkpoint_dtype` (resolves auto)."""
+        import torch
+
         if self.dtype != "auto":
-            return TORCH_DTYPES[self.dtype]
+            return _torch_dtypes()[self.dtype]
         return torch.float32 if torch.finfo(checkpoint_dtype).bits < 32 else torch.float64
 
     def greedy_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         """Greedy generation's dtype under --e2e auto: the --dtype given, else float32 (float64 for a
         float64 checkpoint): the tokens as users would generate them, and one whole model in that
         precision is what has to fit (SmolLM2 in float64 would not fit the streaming memory bound)."""
+        import torch
+
         if self.dtype != "auto":
-            return TORCH_DTYPES[self.dtype]
+            return _torch_dtypes()[self.dtype]
         return torch.float64 if checkpoint_dtype == torch.float64 else torch.float32
 
     @property
@@ -149,65 +202,62 @@ class ConvertOptions(VerifyOptions):
     verify and the `VerifyOptions` fields.
     """
 
-    target: str = option(
-        "mla",
-        "Where the checkpoint runs. mla: this package's runtime, and transformers' Auto classes after `import "
-        "convert` (exact, every layout, compression). transformers: a DeepseekV3ForCausalLM that stock "
-        "transformers loads with no custom code (exact; not for vLLM, which ignores its RoPE factors and biases). "
-        "vllm: a DeepseekV3ForCausalLM in the shape vLLM's MLA kernels serve (kv_lora_rank 512 + 64 rotary dims; "
-        "exact for one key/value head of dim 64, lossy otherwise: needs --calib; head_dim 128 folds two "
-        "frequencies per rotary slot, and a source needing more than 512 latent dims (7B+) is compressed into it).",
-        choices=TARGETS,
-    )
-    arch: str | None = option(None, "Architecture when there is no config.json: llama, mistral, qwen2, seed.", kind=str)
-    n_heads: int | None = option(None, "Query heads H (only when config.json lacks them).", kind=int)
-    n_kv_heads: int | None = option(None, "Key/value heads G (only when config.json lacks them).", kind=int)
-    head_dim: int | None = option(None, "Head dim d (default: inferred from the shapes).", kind=int)
-    head_map: str | None = option(
-        None,
-        "Which K/V head each query head reads: grouped = h // (H/G) (Hugging Face), tiled = h mod G (the seed). "
-        "Default: the architecture's.",
-        choices=HEAD_MAPS,
-    )
-    latent: str = option(
-        "split", "split: separate K and V latents; joint: one shared latent (keys without RoPE only).", choices=LATENTS
-    )
     layout: str = option(
         "absorbed",
-        "absorbed: Ŵ^Q/Ŵ^O over the latent (MQA, head dim r); factored: keep W^Q, W^UK, W^UV, W^O.",
+        "absorbed: Ŵ^Q/Ŵ^O over the latent (MQA, head dim r); factored: keep W^Q, W^UK, W^UV, W^O (smaller on disk).",
+        group="layout",
         choices=LAYOUTS,
     )
-    rank: int | None = option(
-        None, "Latent dims per latent (default: the exact rank; lower compresses the KV cache, lossy).", kind=int
+    latent: str = option(
+        "split",
+        "split: separate K and V latents; joint: one shared latent (keys without RoPE only).",
+        group="layout",
+        choices=LATENTS,
     )
     kv_cache_ratio: float | None = option(
-        None, "Compress: keep this fraction of the GQA KV cache (e.g. 0.5); lossy.", kind=float
+        None,
+        "Keep this fraction of the GQA KV cache (e.g. 0.5). Needs --calib FILE (or --method svd, far worse), "
+        "and --text + --max-ppl-ratio for verification (or --no-verify).",
+        group="compression",
+        kind=float,
+    )
+    rank: int | None = option(
+        None,
+        "Latent dims per latent (default: the exact rank). Below it compresses, as --kv-cache-ratio does, "
+        "with the same needs.",
+        group="compression",
+        kind=int,
     )
     method: str | None = option(
         None,
-        "Compression: plain weight SVD; activation-whitened SVD; whitened + weighted by the loss's Fisher "
+        "plain weight SVD; activation-whitened SVD; whitened + weighted by the loss's Fisher "
         "information of each key/value output (one backward pass on --calib, one decoder layer in memory at a "
-        "time). "
-        "Default: fisher with --calib, else svd.",
+        "time). whitened and fisher need --calib. Default: fisher with --calib, else svd.",
+        group="compression",
         choices=METHODS,
     )
+    calib: Path | None = option(
+        None,
+        "Real text to calibrate the compression on (UTF-8); use a different text for --text.",
+        group="compression",
+        kind=Path,
+    )
+    calib_tokens: int = option(4096, "Tokens of --calib to use.", group="compression")
     allocation: str | None = option(
         None,
-        "Compression: the same rank in every latent, or spend the budget across layers and K/V by weighted "
-        "energy. Default: global for fisher.",
+        "The same rank in every latent, or spend the budget across layers and K/V by weighted energy "
+        "(global needs --kv-cache-ratio). Default: global for fisher.",
+        group="compression",
         choices=ALLOCATIONS,
     )
-    calib: Path | None = option(
-        None, "Compression: real text to calibrate on (UTF-8); use a different text for --text.", kind=Path
-    )
-    calib_tokens: int = option(4096, "Tokens of --calib to use.")
     calibration: str | None = option(
         None,
-        "Compression: factor every layer on the original model's hidden states, or (sequential) on those "
+        "Factor every layer on the original model's hidden states, or (sequential, needs --calib) on those "
         "of the model compressed so far, refitting its up-projections to the original layer's keys and "
         "values (GPTQ's order; one layer in memory). Default: sequential in the factored layout, original "
         "in the absorbed one (what measured best). With --target vllm: how a latent compressed into vLLM's "
         "512 dims (7B+) is factored; default original (what measured best at 25% and 75%).",
+        group="compression",
         choices=CALIBRATIONS,
     )
     nope_angle: float = option(
@@ -215,13 +265,46 @@ class ConvertOptions(VerifyOptions):
         "Absorbed compression with RoPE: key frequencies that turn less than this many radians over "
         "min(max_position_embeddings, 4096) tokens are cached as NoPE dims, compressed freely across "
         "frequencies and heads (the rest stay per-frequency rotary pairs); 0 keeps every frequency rotary.",
+        group="compression",
         kind=float,
     )
-    max_shard_size: int | str = option(
-        "5GB", "Start a new safetensors shard above this many bytes (e.g. 500MB, 5GB, 2GiB).", kind=str
+    verify: bool = option(
+        True, "Skip verification (no report is written).", group="verification", off_flag="--no-verify"
     )
-    force: bool = option(False, "Replace the output directory if it exists (only one that convert wrote).")
-    verify: bool = option(True, "Skip verification (no report is written).", off_flag="--no-verify")
+    target: str = option(
+        "mla",
+        "mla: this package (and transformers after `import convert`); the only target that compresses; KV "
+        "cache = GQA's when exact; checkpoint +5% (--layout factored) to +30% (absorbed). transformers: "
+        "DeepseekV3 for stock transformers, exact; KV cache +1%, checkpoint +38%. vllm: DeepseekV3 for "
+        "vLLM's MLA kernels; KV cache 576 per token and layer (+50%; less than GQA's from ~7B); "
+        "checkpoint +44%; lossy unless one K/V head of dim 64 (needs --calib). Figures: SmolLM2-135M.",
+        group="target",
+        choices=TARGETS,
+    )
+    force: bool = option(
+        False, "Replace the output directory if it exists (only one that convert wrote).", group="output"
+    )
+    head_map: str | None = option(
+        None,
+        "Which K/V head each query head reads: grouped = h // (H/G) (Hugging Face), tiled = h mod G (the seed). "
+        "Default: the architecture's.",
+        group="advanced",
+        choices=HEAD_MAPS,
+    )
+    arch: str | None = option(
+        None, "Architecture, only when there is no config.json.", group="advanced", choices=ARCH_NAMES
+    )
+    n_heads: int | None = option(None, "Query heads H (only when config.json lacks them).", group="advanced", kind=int)
+    n_kv_heads: int | None = option(
+        None, "Key/value heads G (only when config.json lacks them).", group="advanced", kind=int
+    )
+    head_dim: int | None = option(None, "Head dim d (default: inferred from the shapes).", group="advanced", kind=int)
+    max_shard_size: int | str = option(
+        "5GB",
+        "Start a new safetensors shard above this many bytes (e.g. 500MB, 5GB, 2GiB).",
+        group="advanced",
+        kind=str,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -230,6 +313,8 @@ class ConvertOptions(VerifyOptions):
         _choice("--latent", self.latent, LATENTS)
         if self.head_map is not None:
             _choice("--head-map", self.head_map, HEAD_MAPS)
+        if self.arch is not None:
+            _choice("--arch", self.arch, ARCH_NAMES)
         if self.rank is not None and self.rank <= 0:
             raise ConvertError(
                 f"--rank {self.rank} must be a positive number of latent dims (omit it for the exact rank)"
@@ -342,29 +427,40 @@ class HealOptions(_FromKwargs):
     """How `heal` trains: KL distillation of the MLA projections toward the original model.
     Every field is a flag of `convert heal` and a keyword of `convert.heal`."""
 
-    steps: int = option(200, "Optimizer steps (one window of --text each).")
+    force: bool = option(
+        False, "Replace the output directory if it exists (only one that convert wrote).", group="output"
+    )
+    steps: int = option(200, "Optimizer steps (one window of --text each).", group="training")
     lr: float = option(
         1e-3,
         "AdamW learning rate of the MLA projections, relative: each tensor's is this times its RMS "
         "(warmed up over 10 steps, then a cosine to 0).",
+        group="training",
     )
-    window: int = option(256, "Tokens per training window.")
-    eval_window: int = option(1024, "Tokens per window of the before/after perplexity.")
+    window: int = option(256, "Tokens per training window.", group="training")
+    eval_window: int = option(1024, "Tokens per window of the before/after perplexity.", group="training")
     tokens: int = option(
         16384,
         "Tokens of --text to use (the last eighth is held out unless --eval-text; of the rest, the last "
         "sixteenth is kept for --check-every).",
+        group="training",
     )
     check_every: int = option(
         25,
         "Every N steps, measure the KL on a slice of --text held out from training (its last sixteenth): "
         "keep the best weights, and when the KL got worse go back to them at half the rate. 0: no checks.",
+        group="training",
     )
-    seed: int = option(0, "Seed of the window order.")
-    device: str = option("auto", "Where to train: auto = CUDA when present, else CPU.", choices=DEVICES)
-    max_shard_size: int | str = option("5GB", "Start a new safetensors shard above this many bytes.", kind=str)
-    force: bool = option(False, "Replace the output directory if it exists (only one that convert wrote).")
-    progress: bool = option(True, "No progress bar or summary.", flag="--quiet", short="-q", off_flag="--quiet")
+    seed: int = option(0, "Seed of the window order.", group="training")
+    device: str = option(
+        "auto", "Where to train: auto = CUDA when present, else CPU.", group="advanced", choices=DEVICES
+    )
+    max_shard_size: int | str = option(
+        "5GB", "Start a new safetensors shard above this many bytes.", group="advanced", kind=str
+    )
+    progress: bool = option(
+        True, "No progress bar or summary.", group="advanced", flag="--quiet", short="-q", off_flag="--quiet"
+    )
 
     def __post_init__(self) -> None:
         _choice("--device", self.device, DEVICES)
@@ -387,11 +483,12 @@ class HealOptions(_FromKwargs):
 
 
 def cli_fields(cls) -> list:
-    """The dataclass fields of `cls` that are CLI flags: its own first, then its base's
-    (so `gqa2mla --help` lists conversion flags before verification flags)."""
+    """The dataclass fields of `cls` that are CLI flags, in `--help` order: by section (GROUPS);
+    within one, its own fields before its base's (gqa2mla's before verify's), as declared."""
+    rank = {group: i for i, group in enumerate(GROUPS)}
     inherited = {f.name for base in cls.__mro__[1:] if hasattr(base, "__dataclass_fields__") for f in fields(base)}
-    ordered = [f for f in fields(cls) if f.name not in inherited] + [f for f in fields(cls) if f.name in inherited]
-    return [f for f in ordered if f.metadata.get("cli", False)]
+    cli = [f for f in fields(cls) if f.metadata.get("cli", False)]
+    return sorted(cli, key=lambda f: (rank[f.metadata["group"]], f.name in inherited))  # stable sort
 
 
 def field_default(f):
@@ -400,6 +497,8 @@ def field_default(f):
 
 def resolve_device(name: str) -> torch.device:
     """auto = CUDA when present, else CPU; an explicit cuda without one is refused."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():

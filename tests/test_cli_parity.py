@@ -76,7 +76,7 @@ def test_the_table_above_covers_every_field():
 
 
 @pytest.mark.parametrize("name", sorted(NON_DEFAULTS))
-def test_a_flag_reaches_the_api_as_its_field(monkeypatch, name):
+def test_a_flag_reaches_the_api_as_its_field(monkeypatch, tmp_path, name):
     seen = {}
 
     def fake_gqa2mla(src, output=None, **options):
@@ -85,7 +85,7 @@ def test_a_flag_reaches_the_api_as_its_field(monkeypatch, name):
 
     monkeypatch.setattr(convert.api, "gqa2mla", fake_gqa2mla)
     args, value = NON_DEFAULTS[name]
-    result = CliRunner().invoke(main, ["gqa2mla", "src", *args])
+    result = CliRunner().invoke(main, ["gqa2mla", str(tmp_path), *args])  # a source that exists
     assert result.exit_code == 0, result.output
     assert seen[name] == value
     others = {f.name: f.default for f in dataclasses.fields(ConvertOptions) if f.name != name}

@@ -130,7 +130,10 @@ def test_verify_fails_when_a_copied_tensor_was_changed(tmp_path, float64_run):
     tensors["model.embed_tokens.weight"][0] += 1.0  # one row: random verification tokens may never read it
     save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
     result = CliRunner().invoke(main, ["verify", str(TINY_LLAMA), str(copy), "--dtype", "float32", "-q"])
-    assert result.exit_code == 1 and result.output.strip() == "FAIL"
+    assert result.exit_code == 1 and result.stdout.strip() == "FAIL"
+    assert result.stderr.splitlines()[0] == (
+        "FAIL: 1 tensor(s) copied from the original differ from it, e.g. 'model.embed_tokens.weight'"
+    )
 
 
 def test_verify_refuses_a_pair_whose_configs_differ(tmp_path, float64_run):

@@ -171,3 +171,15 @@ def test_half_precision_checkpoint_factors_in_float32_and_passes_its_layer_check
     assert 0 < max(errors) < 1e-5  # float32's round-off: not float64's 1e-15, not bfloat16's 1e-3
     stored = load_file(result.output / "model.safetensors")
     assert {t.dtype for t in stored.values()} == {dtype}
+
+
+@pytest.mark.parametrize("quiet", [[], ["-q"]])
+def test_a_fail_says_why_on_stderr(tmp_path, quiet):
+    """Exit 1 prints one stderr line per failed check (with -q too), then where the report is."""
+    src, out = _save(tmp_path), tmp_path / "out"
+    result = CliRunner().invoke(main, ["gqa2mla", str(src), "-o", str(out), "--head-map", "tiled", *quiet])
+    assert result.exit_code == 1, result.output
+    report = json.loads((out / "verification.json").read_text())
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"FAIL: {f}" for f in report["failures"]] + [f"report: {out / 'verification.md'}"]
+    assert lines[0].startswith("FAIL: layer 0: attention output relative error")

@@ -25,6 +25,9 @@ class TensorRule:
 
 _LAYER = "model.layers.{i}."
 
+#: Which key/value head each query head reads (`ArchSpec.head_map`; the math is `convert.linalg.heads`).
+HEAD_MAPS = ("grouped", "tiled")
+
 
 def _model_tensors(norms: tuple[str, ...]) -> list[TensorRule]:
     """Embedding, final norm, lm_head (unless tied) and each layer's `{norm}_layernorm`s."""

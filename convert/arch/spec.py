@@ -9,10 +9,9 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from convert.arch.registry import ArchSpec, TensorRule, find_arch
+from convert.arch.registry import HEAD_MAPS, ArchSpec, TensorRule, find_arch
 from convert.arch.validate import check_config
 from convert.errors import ConvertError
-from convert.linalg.heads import HEAD_MAPS
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 import torch
 
-HEAD_MAPS = ("grouped", "tiled")
+from convert.arch.registry import HEAD_MAPS
 
 
 def group_of_head(n_heads: int, n_kv_heads: int, head_map: str) -> torch.Tensor:

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from convert.arch import ARCHS, ArchSpec, AttentionSpec
+from convert.arch.registry import HEAD_MAPS
 from convert.arch.spec import count_layers
 from convert.arch.validate import check_config, check_field, count, flag, one_of, positive, refuse, string
 from convert.errors import ConvertError
 from convert.io.reader import CONFIG_NAME, Checkpoint, open_checkpoint, read_json
-from convert.linalg.heads import HEAD_MAPS
 from convert.options import LATENTS, LAYOUTS
 
 RECONVERT = "re-convert with `convert gqa2mla`"
