@@ -313,7 +313,7 @@ def to_mla(model, **options):
     """
     from convert.mla.model import build_mla_model
 
-    opts = ConvertOptions.from_kwargs(**{"progress": False, **options})
+    opts = ConvertOptions.from_kwargs(**{"progress": False, "verify": False, **options})  # nothing to verify here
     parameter = next(model.parameters())
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     if opts.target != "mla":
@@ -489,6 +489,13 @@ def _vllm_tensors(source, state_dict, opts: ConvertOptions):
     config, src_view, spec = resolve_vllm_spec(state_dict, source.config or {})
     dtype = src_view.dtype(spec.tensor(0, "q"))
     check_vllm_exportable(config, spec, src_view, dtype, opts.calib is not None or not needs_calibration(spec, config))
+    lossy = needs_calibration(spec, config) or needs_compression(spec, config["hidden_size"])
+    if lossy and opts.verify and (opts.text is None or opts.max_ppl_ratio is None):
+        raise ConvertError(
+            "--target vllm is lossy for this model (vLLM rotates 64 key dims shared by all heads at one frequency "
+            "set): verification judges it by perplexity on real text, so pass --text FILE (a text unlike --calib) "
+            "and --max-ppl-ratio R (e.g. 1.1), or --no-verify"
+        )
     stats = sequential = None
     if opts.calib is not None:
         ids = _calib_ids(source, opts)

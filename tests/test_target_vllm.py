@@ -15,6 +15,8 @@ from convert.compress.calibrate import LayerStats
 from convert.errors import ConvertError
 from convert.targets.vllm import match_vllm_norms, to_vllm_deepseek
 
+from conftest import PROSE
+
 HIDDEN, LAYERS, VOCAB = 192, 2, 128
 
 
@@ -135,9 +137,22 @@ def test_api_writes_a_report_that_says_where_it_is_lossy(tmp_path):
     model = tiny_llama(3)
     model.save_pretrained(tmp_path / "src")
     calib = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(2))
+    text = tmp_path / "prose.txt"
+    text.write_text(PROSE)
+    with pytest.raises(ConvertError, match="lossy.*--text FILE.*--max-ppl-ratio R"):  # judged by perplexity
+        convert.gqa2mla(tmp_path / "src", tmp_path / "out", target="vllm", calib=calib, progress=False)
+    assert not (tmp_path / "out").exists()
     result = convert.gqa2mla(
-        tmp_path / "src", tmp_path / "out", target="vllm", calib=calib, max_ppl_ratio=1.5, tokens=64, progress=False
+        tmp_path / "src",
+        tmp_path / "out",
+        target="vllm",
+        calib=calib,
+        text=text,
+        max_ppl_ratio=1.5,
+        tokens=64,
+        progress=False,
     )
+    assert result.report["decision"]["rule"].startswith("lossy conversion")
     target = result.report["target"]
     assert target["cache_values_per_token_per_layer"] == 576 and target["gqa_cache_values_per_token_per_layer"] == 384
     assert target["cache_bytes_per_token"] == 576 * 4 * LAYERS
@@ -282,12 +297,15 @@ def test_an_8b_shaped_source_is_compressed_into_the_latent_through_the_api(tmp_p
     )
     LlamaForCausalLM(config).eval().save_pretrained(tmp_path / "src")
     calib = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(2))
+    text = tmp_path / "prose.txt"
+    text.write_text(PROSE)
     result = convert.gqa2mla(
         tmp_path / "src",
         tmp_path / "out",
         target="vllm",
         calib=calib,
         calibration=calibration,
+        text=text,
         max_ppl_ratio=100.0,
         tokens=64,
         progress=False,
