@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from convert import compress
 from convert._version import __version__
@@ -25,6 +24,7 @@ from convert.io import Checkpoint, CheckpointWriter, open_checkpoint, output_loc
 from convert.layouts import attention_view
 from convert.options import ConvertOptions
 from convert.plan import ConversionPlan, budget_dims, check_rank, layer_weighting, make_plan, resolve_spec
+from convert.progress import progress
 from convert.source import LazyTensors, StateDictSource, read_layer
 from convert.text import text_token_ids
 from convert.transform import LayerInfo, convert_layer
@@ -86,8 +86,8 @@ def _calibration(source, spec: AttentionSpec, opts: ConvertOptions):
     source = getattr(source, "module_source", source)  # as the original model's modules read it (Phi-3: unsplit)
     ids = _calib_ids(source, opts)
     if opts.resolved_method == "fisher":  # one decoder layer at a time, forward then backward
-        progress = _bar("calibrating (Fisher)", "layer", opts.progress)
-        return compress.fisher_calibrate_streamed(source, config, ids, spec.n_layers, progress=progress)
+        bar = _bar("calibrating (Fisher)", "layer", opts.progress)
+        return compress.fisher_calibrate_streamed(source, config, ids, spec.n_layers, progress=bar)
     return compress.calibrate(source, config, ids, spec.n_layers, progress=_bar("calibrating", "layer", opts.progress))
 
 
@@ -101,9 +101,9 @@ def _calib_ids(source, opts: ConvertOptions) -> torch.Tensor:
     return ids[:, : opts.calib_tokens]
 
 
-def _bar(desc: str, unit: str, progress: bool):
-    """A progress bar over an iterable, shown on a terminal only (and never when quiet)."""
-    return lambda items: tqdm(items, desc=desc, unit=unit, disable=None if progress else True)
+def _bar(desc: str, unit: str, enabled: bool):
+    """Progress over an iterable: a bar on a terminal, log lines otherwise, nothing when quiet."""
+    return lambda items: progress(items, desc, unit, enabled)
 
 
 def output_config(source_config: dict | None, plan: ConversionPlan, opts: ConvertOptions, infos) -> dict:
@@ -560,7 +560,7 @@ def _write_export(src, source: Checkpoint, output: Path, opts, start, layout: di
     timings["plan_s"] = time.perf_counter() - start
     with CheckpointWriter(output, layout, parse_size(opts.max_shard_size), opts.force, {"format": "pt"}) as writer:
         t0 = time.perf_counter()
-        bar = tqdm(tensors, total=len(layout), desc="exporting", unit="tensor", disable=None if opts.progress else True)
+        bar = progress(tensors, "exporting", "tensor", opts.progress, total=len(layout))
         for name, tensor in bar:
             writer.write(name, tensor.contiguous())
         final, report = _finish(writer, source, src, config, opts, timings, t0)

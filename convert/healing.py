@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from tqdm.auto import tqdm
 
 from convert.errors import ConvertError
 from convert.options import HealOptions
+from convert.progress import progress
 
 # Files of a converted directory that are not carried into a healed one: the weights
 # (rewritten), convert's own bookkeeping, and the conversion's report (it describes the
@@ -138,11 +138,11 @@ def heal_model(model, original, train_ids: torch.Tensor, eval_ids: torch.Tensor,
         track = Backtracking(trainable, optimizer, lambda: held_out_kl(original, model, check_ids, opts.window))
     base_rates = [group["lr"] for group in optimizer.param_groups]
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(opts.seed))
-    losses, start = [], time.perf_counter()
+    losses, tokens, start = [], 0, time.perf_counter()
     was_training = model.training
     model.train()
     try:
-        bar = tqdm(range(opts.steps), desc="healing", unit="step", disable=None if opts.progress else True)
+        bar = progress(range(opts.steps), "healing", "step", opts.progress)
         for step in bar:
             chunk = windows[int(order[step % len(windows)])]  # (1, ≤window)
             with torch.no_grad():
@@ -158,7 +158,9 @@ def heal_model(model, original, train_ids: torch.Tensor, eval_ids: torch.Tensor,
             losses.append(loss.item())
             if track and ((step + 1) % opts.check_every == 0 or step + 1 == opts.steps):
                 track.check(step + 1)  # the last step is checked too: the model ends at the best weights
-            bar.set_postfix(kl=f"{losses[-1]:.4f}")
+            tokens += chunk.shape[-1]
+            rate = tokens / (time.perf_counter() - start)
+            bar.set_postfix({"kl": f"{losses[-1]:.4f}", "tokens/s": f"{rate:.0f}"})
     finally:
         model.train(was_training)
         for name, p in model.named_parameters():

@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from convert.errors import ConvertError
 from convert.heap import release_freed_memory
@@ -31,6 +30,7 @@ from convert.plan import (
     whole_model_activation_bytes,
     whole_model_memory_bytes,
 )
+from convert.progress import progress
 from convert.text import model_tokenizer, text_token_ids
 from convert.verify.e2e import end_to_end, greedy_in_turn, streamed_end_to_end
 from convert.verify.layers import LayerRun, check_hf_layers, check_seed_layers
@@ -117,7 +117,7 @@ def verify_paths(original, converted, **options) -> dict:
         runnable = mla["source_architecture"] != "seed"
         with timings("tokens"):
             ids = _token_ids(text, orig, config, tokens, runnable)
-        bar = lambda it: tqdm(it, desc="verifying", unit="layer", disable=None if opts.progress else True)
+        bar = lambda it: progress(it, "verifying", "layer", opts.progress)
         with timings("layers"):
             layers = (
                 check_hf_layers(run, ids if text else None, tokens, bar)
