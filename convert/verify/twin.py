@@ -18,8 +18,9 @@ from convert.layouts import TensorView, VirtualTensor, family
 TWIN_SCALE = 2 ** (1 / 3)
 
 
-def _scaled(name: str, factors: torch.Tensor | float, dtype: torch.dtype) -> VirtualTensor:
-    """Tensor `name` times `factors` (a scalar, or one factor per row), in float64, rounded to `dtype`."""
+def _scaled(name: str, factors: torch.Tensor | float, dtype: torch.dtype):
+    """A `VirtualTensor.assemble` for tensor `name` times `factors` (a scalar, or one factor per row), in
+    float64, rounded to `dtype`."""
 
     def assemble(read):
         weight = read(name).double()
