@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""The `convert` command (and `convert-mla`, `python cli.py` from a checkout).
+"""Entry point of the `convert` and `convert-mla` console scripts (and `python cli.py` from a checkout).
 
-A module outside the package on purpose: it imports `convert` light (no torch, no
-transformers until a command needs a tensor), which only something that runs before
-`convert/__init__.py` can ask for. See convert/__init__.py; `python -m convert` is the
-same command after a full import.
+It defines no command: it imports `main` from `convert.cli` (the click group) with the package's
+light-import switch set, so `convert` comes in light (no torch, no transformers until a command
+needs a tensor). Only a module outside the package, run before `convert/__init__.py`, can ask for
+that; see convert/__init__.py. `python -m convert` runs the same command after a full import.
 """
 
 import os

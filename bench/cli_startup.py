@@ -39,6 +39,7 @@ COMMANDS = {
     "gqa2mla --help": ["gqa2mla", "--help"],
     "gqa2mla --bogus-flag": ["gqa2mla", "--bogus-flag"],
     "gqa2mla /nonexistent": ["gqa2mla", "/nonexistent"],
+    "gqa2mla -o <not convert's>": ["gqa2mla", "fixtures/tiny-llama", "-o", "README.md"],
 }
 REFERENCES = {"python -c pass": ["-c", "pass"], "import convert": ["-c", "import convert"]}
 

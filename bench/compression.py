@@ -13,8 +13,8 @@ converted model's perplexity is compared with the original's.
     python bench/compression.py --model gemma3        # the second family (results/compression_gemma3.json)
 
 A full run (and `--render`) writes the perplexity-vs-cache plot
-(bench/results/compression.png) and rewrites the README's table between its
-`compression-table` markers, so what the README shows is what was measured.
+(bench/results/compression.png) and rewrites docs/compression.md's table between its
+`compression-table` markers, so what the docs show is what was measured.
 """
 
 import argparse
@@ -73,13 +73,13 @@ def parse_args(argv=None):
     p.add_argument(
         "--render",
         action="store_true",
-        help="measure nothing: redraw the plot and rewrite the README table from --out",
+        help="measure nothing: redraw the plot and rewrite the docs' table from --out",
     )
     p.add_argument(
         "--readme",
         type=Path,
-        default=HERE.parent / "README.md",
-        help="README whose compression-table block is rewritten (only by a full run or --render)",
+        default=HERE.parent / "docs" / "compression.md",
+        help="document whose compression-table block is rewritten (only by a full run or --render)",
     )
     args = p.parse_args(argv)
     _, _, layouts, methods, results = MODELS[args.model]
@@ -169,18 +169,18 @@ def main(argv=None):
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(markdown(result))
-    if args.out == parse_args(["--model", args.model]).out:  # the full default table: the README shows it
+    if args.out == parse_args(["--model", args.model]).out:  # the full default table: the docs show it
         render(result, args)
 
 
 def markers(model: str) -> tuple[str, str]:
-    """The README block of `model`'s table."""
+    """The docs block of `model`'s table."""
     command = "bench/compression.py" + ("" if model == "smollm2" else f" --model {model}")
     return f"<!-- compression-table: {command} -->", "<!-- /compression-table -->"
 
 
 def render(result: dict, args) -> None:
-    """The plot beside --out (.png) and the README's table block, from one result."""
+    """The plot beside --out (.png) and the docs table block, from one result."""
     plot = args.out.with_suffix(".png")
     draw(result, plot)
     begin, end = markers(args.model)

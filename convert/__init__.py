@@ -1,21 +1,13 @@
 """convert: GQA -> MLA checkpoint conversion, exact where the math allows it.
 
-Python API:
     gqa2mla(src, output=None, **options) -> ConversionResult
     convert_state_dict(state_dict, config, **options) -> MLAStateDict
     to_mla(model, **options) -> the converted model, in memory (an nn.Module)
     heal(model_or_path, texts, original=..., **options) -> HealResult (KL distillation)
     load_mla_model(path, device=None, dtype=None) -> a transformers causal LM
 
-`import convert` imports torch and transformers and registers `convert_mla` with
-transformers' Auto classes, so `AutoModelForCausalLM.from_pretrained(converted_dir)`
-works right after it. The command line (the top-level `cli` module, the `convert`
-entry point) imports the package with LIGHT_IMPORT set instead: then nothing heavy is
-imported until a name below needs it, and `--help`, `--version` and refusals of bad
-flags answer at once. The CLI is told through the environment because nothing inside
-the package can be set before the package itself is imported. (Lazy for everyone would
-break `import convert` then `from_pretrained`: transformers has no hook to register a
-model type on its first use.)
+`import convert` registers `convert_mla` with transformers' Auto classes; the command line imports
+the package light instead (LIGHT_IMPORT; docs/design.md, "Layout of the code").
 """
 
 import os

@@ -5,10 +5,8 @@ Every flag is built from a field of `ConvertOptions` / `VerifyOptions` / `HealOp
 `--help` lists them in the sections declared there. Exit codes (README, "Exit codes"):
 0 PASS, 1 verification FAIL, 2 bad input or usage, 3 environment or I/O, 130
 interrupted — each with one line on stderr; each command's `--help` shows its own.
-
-Light at import (no torch, no transformers; the `cli` module imports the package
-light): `--help`, `--version`, usage errors and the options' own refusals answer at
-once. A command imports the API (`_load_api`) only once its options are valid.
+Light at import: a command imports the API (`_load_api`) only once its options are valid
+(docs/design.md, "Layout of the code").
 """
 
 import errno
@@ -21,7 +19,9 @@ import click
 
 from convert._version import __version__
 from convert.errors import ConvertError
+from convert.io.output import check_output, default_output
 from convert.options import GROUPS, ConvertOptions, HealOptions, VerifyOptions, cli_fields, field_default
+from convert.targets import check_options
 
 _USAGE = ("2", "bad input or usage: one line naming the file/field and the fix; nothing written")
 _INTERRUPTED = ("130", "interrupted (Ctrl-C); a previous output is left intact")
@@ -195,9 +195,11 @@ def gqa2mla(src, output, **options):
     converted attention is checked against the original and the report written
     beside the weights; a FAIL exits 1.
     """
-    ConvertOptions.from_kwargs(**options)  # refused before torch is imported; the API checks them again
+    check_options(ConvertOptions.from_kwargs(**options))  # refused before torch is imported; the API checks again
     if not src.exists():  # the words of convert.io's check, which needs torch
         raise ConvertError(f"{src}: no such file or directory; check the checkpoint path")
+    calib = options.get("calib")
+    check_output(output or default_output(src), [src, options.get("text"), calib], options["force"])  # no torch
     _load_api()
     from convert.api import gqa2mla as run
 

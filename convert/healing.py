@@ -1,15 +1,12 @@
 """Healing: a short distillation of a converted model toward the original's logits.
 
-One-shot compression loses a little; every published method ends with a short
-fine-tune. Here the converted model's MLA projections (and only they: every other
-parameter stays frozen) are trained to minimise KL(original ‖ converted) of the
-next-token distributions on a calibration text, window by window. Before/after
-perplexity and KL are measured on held-out tokens the training never saw.
-
-`heal(model_or_path, texts, original=..., **options)` works on a live module (healed
-in place, e.g. the output of `convert.to_mla`) or on a converted directory (loaded,
-healed and written to a new directory atomically, like a conversion), a DeepSeek-V3
-export included (trained as transformers runs it, written under its own names).
+The converted model's MLA projections (and only they: every other parameter stays frozen) are
+trained to minimise KL(original ‖ converted) of the next-token distributions on a calibration
+text, window by window; before/after perplexity and KL are measured on held-out tokens.
+`heal(model_or_path, texts, original=..., **options)` works on a live module (healed in place,
+e.g. the output of `convert.to_mla`) or on a converted directory (loaded, healed and written to a
+new directory atomically, like a conversion), a DeepSeek-V3 export included (trained as
+transformers runs it, written under its own names).
 """
 
 import json
@@ -22,8 +19,14 @@ import torch
 from safetensors import safe_open
 
 from convert.errors import ConvertError
+from convert.hf import load_original
+from convert.io import SAFETENSORS_DTYPES, CheckpointWriter, open_checkpoint, output_lock, parse_size
+from convert.mla.model import load_mla_model, read_mla_config, weight_files
 from convert.options import HealOptions
 from convert.progress import progress
+from convert.text import text_token_ids
+from convert.verify import is_export, load_export
+from convert.verify.e2e import compare_models
 
 # Files of a converted directory that are not carried into a healed one: the weights
 # (rewritten), convert's own bookkeeping, and the conversion's report (it describes the
@@ -79,8 +82,7 @@ def relative_groups(parameters, lr: float) -> list[dict]:
     e.g. a bias the conversion left at 0, takes the median RMS of the others): Adam moves every
     entry by about its learning rate whatever the gradient's scale, so an absolute rate would move
     a tensor of small entries far more, relatively, than one of large entries (a vllm export's
-    o_proj is ~1e8, its kv_b_proj ~0.03). SmolLM2 at 25% of the cache, 100 steps: ×1.309 with an
-    absolute 1e-4 (3e-4 diverged), ×1.217 with a relative 1e-3 (bench/heal.py)."""
+    o_proj is ~1e8, its kv_b_proj ~0.03)."""
     parameters = list(parameters)
     rms = [float(p.detach().float().pow(2).mean().sqrt()) for p in parameters]
     nonzero = sorted(r for r in rms if r > 0)
@@ -99,8 +101,6 @@ def _windows(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
 
 
 def _measure(original, model, ids: torch.Tensor, window: int) -> dict:
-    from convert.verify.e2e import compare_models
-
     was_training = model.training
     model.eval()
     figures = compare_models(original, model, ids, window=window)
@@ -204,8 +204,8 @@ class Backtracking:
     checked every few steps; a better one keeps a copy of the trained tensors, a worse one puts
     the best copy back, clears AdamW's moments and halves the rate (`scale`). One rate does
     not suit every gap: a relative 1e-3 heals SmolLM2 at 25% of the cache but overshoots at
-    75%, where the held-out KL rose 0.026 -> 0.043; checked, the rate was halved twice and the KL
-    fell to 0.016 (README "Healing")."""
+    75%, where the checks bring the held-out KL back down (docs/compression.md, "Healing";
+    bench/heal.py measures it)."""
 
     def __init__(self, trainable: dict[str, torch.nn.Parameter], optimizer, measure) -> None:
         self.trainable, self.optimizer, self.measure = trainable, optimizer, measure
@@ -265,8 +265,6 @@ def _split(ids: torch.Tensor, eval_ids: torch.Tensor | None) -> tuple[torch.Tens
 def _token_ids(texts, root: Path | None, vocab_size: int, n_tokens: int, what: str) -> torch.Tensor:
     """Token ids (1, N) from ids, or from text files (concatenated) tokenized with the tokenizer of
     the model directory `root` (None: a live module, whose tokenizer is not known here)."""
-    from convert.text import text_token_ids
-
     if isinstance(texts, torch.Tensor):
         return texts.reshape(1, -1)[:, :n_tokens]
     if root is None:
@@ -303,11 +301,11 @@ def heal(model_or_path, texts, *, original=None, eval_texts=None, output=None, *
     only a directory convert wrote), an export (`--target transformers/vllm`) included:
     it is healed as its transformers twin (`convert.verify.load_export`) and written under
     its own tensor names, so vLLM serves the healed weights as it served the export.
-    texts: token ids (1, N); for a directory also a UTF-8 text file, or several, tokenized with its tokenizer. original: the original
-    model (nn.Module) or its checkpoint path; for a directory, default the one its
-    verification.json names. eval_texts: held-out
-    text (default: the last eighth of `texts`). options: the fields of `HealOptions`
-    (steps, lr, window, tokens, device, seed, ...). Returns a `HealResult` whose
+    texts: token ids (1, N); for a directory also a UTF-8 text file, or several, tokenized
+    with its tokenizer. original: the original model (nn.Module) or its checkpoint path; for
+    a directory, default the one its verification.json names. eval_texts: held-out text
+    (default: the last eighth of `texts`). options: the fields of `HealOptions` (steps, lr,
+    window, tokens, device, seed, ...). Returns a `HealResult` whose
     `report` has the before/after perplexity and KL on the held-out tokens.
     """
     opts = HealOptions.from_kwargs(**options)
@@ -326,9 +324,6 @@ def heal(model_or_path, texts, *, original=None, eval_texts=None, output=None, *
 
 
 def _load_original(path, like: torch.nn.Module):
-    from convert.hf import load_original
-    from convert.io import open_checkpoint
-
     parameter = next(like.parameters())
     with open_checkpoint(Path(path)) as source:
         return load_original(source, source.config or {}, parameter.device, parameter.dtype)
@@ -340,10 +335,6 @@ def default_healed_output(converted: Path) -> Path:
 
 
 def _heal_directory(converted: Path, texts, original, eval_texts, output, opts: HealOptions) -> HealResult:
-    from convert.io import CheckpointWriter, output_lock, parse_size
-    from convert.mla.model import read_mla_config, weight_files
-    from convert.verify import is_export
-
     export = is_export(converted)
     config = json.loads((converted / "config.json").read_text()) if export else read_mla_config(converted)
     original_path = _original_of(converted, original)
@@ -366,7 +357,7 @@ def _heal_directory(converted: Path, texts, original, eval_texts, output, opts: 
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
                     sliced = f.get_slice(name)
-                    dtypes[name] = _DTYPES[sliced.get_dtype()]
+                    dtypes[name] = SAFETENSORS_DTYPES[sliced.get_dtype()]
                     layout[name] = (tuple(sliced.get_shape()), dtypes[name])
         metadata = {"format": "pt"}
         if not export:
@@ -387,16 +378,10 @@ def _load_converted(converted: Path, config: dict, export: bool, device) -> torc
     """The converted model to train, in float32: the MLA model, or an export's transformers twin
     (`DeepseekV3ForCausalLM`, a vllm export with vLLM's latent-norm eps, so what is trained is
     what vLLM serves)."""
-    from convert.mla.model import load_mla_model
-
     if not export:
         return load_mla_model(converted, device=device, dtype=torch.float32)
-    from convert.verify import load_export
 
     return load_export(converted, config["convert_export"], device, torch.float32)
-
-
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 def render_markdown(report: dict) -> str:
@@ -439,7 +424,7 @@ def render_markdown(report: dict) -> str:
 def healing_warnings(report: dict) -> list[str]:
     """What went wrong on the held-out tokens: perplexity worse, or the model further from the
     original (KL up, even where the perplexity fell: SmolLM2 at 75% of the cache, whose small gap
-    a rate of 1e-3 without checks overshot, README "Healing")."""
+    a rate of 1e-3 without checks overshot, docs/compression.md, "Healing")."""
     before, after = report["before"], report["after"]
     warnings = []
     if not math.isfinite(after["ppl_converted"]) or after["ppl_ratio"] > before["ppl_ratio"]:

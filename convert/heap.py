@@ -17,8 +17,8 @@ def release_freed_memory() -> None:
     """Return freed heap pages to the OS (glibc's malloc_trim; a no-op elsewhere).
 
     Layers built and dropped one after another, on several threads, leave their freed pages in
-    glibc's arenas, where they count in the process's resident memory until reused: after a
-    streamed phase they are ~0.3 GiB for SmolLM2, so the next phase's peak sits on top of them.
+    glibc's arenas, where they count in the process's resident memory until reused, so the next
+    phase's peak would sit on top of them (bench/memory.py measures the peaks).
     """
     libc = _libc()
     trim = getattr(libc, "malloc_trim", None)

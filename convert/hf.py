@@ -1,19 +1,12 @@
 """The bridge to transformers: the one module that talks to its config, model and tokenizer classes.
 
-Everything else in the package works on plain config dicts and state dicts. Here:
-- `hf_config`: a transformers config from a config.json dict (our `mla` section dropped);
-- `hf_classes`, `causal_mask`: a family's own attention / decoder layer / rotary classes
-  and its mask, the references verification compares against;
-- `build_causal_lm`, `load_original`: the whole source model, as transformers builds it;
-- `empty_weights`, `allocate`: a model built with no storage for its weights (nothing initialised),
-  then given uninitialised storage on the device it is loaded into;
-- `meta_state_dict`: every tensor of a config's model as a meta tensor, allocating nothing;
-- `load_tokenizer`: the model directory's own tokenizer;
-- `MLAConfig`, `MLAForCausalLM`, `register`: the converted checkpoint's own model type
-  (`convert_mla`), registered with transformers' Auto classes on `import convert`, so
-  `AutoModelForCausalLM.from_pretrained(converted_dir)` returns the MLA model, and
-  without `import convert` transformers refuses the unknown type instead of loading
-  the source architecture with random attention.
+Everything else in the package works on plain config dicts and state dicts. Here: `hf_config` (a
+transformers config from a config.json dict, our `mla` section dropped); `hf_classes`, `causal_mask`
+(a family's own attention, decoder layer and rotary classes and its mask: verification's references);
+`build_causal_lm`, `load_original` (the whole source model); `empty_weights`, `allocate` (a model with
+no weight storage, then uninitialised storage on its device); `meta_state_dict` (every tensor as a meta
+tensor); `load_tokenizer`; `MLAConfig`, `MLAForCausalLM`, `register`: the `convert_mla` model type,
+registered with transformers' Auto classes on `import convert` (docs/design.md, "Output format").
 """
 
 import contextlib
@@ -24,14 +17,27 @@ import re
 import types
 
 import torch
-from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationMixin,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+from transformers.initialization import no_init_weights
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.utils import is_accelerate_available, logging
 
 from convert.arch import ARCHS
+from convert.errors import ConvertError
 from convert.io import Checkpoint
+from convert.layouts import module_layout
+from convert.mla.attention import build_mla_attention
+from convert.mla.format import MLA_MODEL_TYPE
 
 # config.json keys that describe the file, not the model.
 _NOT_MODEL_FIELDS = ("mla", "architectures", "transformers_version")
-MLA_MODEL_TYPE = "convert_mla"
 
 
 def source_fields(config: dict) -> dict:
@@ -54,8 +60,6 @@ def hf_config(config: dict, dtype: torch.dtype | None = None, attention: str = "
     4-D mask MLAAttention takes too; "sdpa" keeps float64 in the softmax (eager
     does it in float32), which a float64 reference needs.
     """
-    from transformers import AutoConfig
-
     fields = source_fields(config)
     hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
     hf._attn_implementation = attention
@@ -94,8 +98,6 @@ def layer_rotary(rotary, config, layer: int):
 
 def causal_mask(config, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """transformers' own mask for this layer (causal, sliding window where the layer has one)."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
     layer_types = getattr(config, "layer_types", None)
     sliding = layer_types[layer] == "sliding_attention" if layer_types else getattr(config, "sliding_window", None)
     make = create_sliding_window_causal_mask if sliding else create_causal_mask
@@ -109,8 +111,6 @@ def empty_weights():
     """Modules built inside get their parameters on the meta device (no storage, so nothing to
     initialise) and torch's and transformers' weight initialisation is off; buffers are built for
     real, as each module computes them (RoPE frequencies, Gemma 3's embedding scale: not loaded)."""
-    from transformers.initialization import no_init_weights
-
     register = torch.nn.Module.register_parameter
 
     def register_on_meta(module, name, param):
@@ -144,8 +144,6 @@ def allocate(model: torch.nn.Module, device) -> torch.nn.Module:
 
 def _new_causal_lm(config: dict, dtype: torch.dtype, attention: str = "eager"):
     """transformers' own causal LM class of the config, built on the ambient device."""
-    from transformers import AutoModelForCausalLM
-
     return AutoModelForCausalLM.from_config(hf_config(config, dtype, attention), dtype=dtype)
 
 
@@ -166,8 +164,6 @@ def reference_attention(config: dict) -> str:
 
 def load_original(original: Checkpoint, config: dict, device, dtype):
     """The source model as transformers builds it, with the original weights (`reference_attention`)."""
-    from convert.layouts import module_layout
-
     model = build_causal_lm(config, dtype, attention=reference_attention(config), device=device)
     original = module_layout(original, config)  # Mixtral: the stored experts stacked as the modules hold them
     fill_strict(model, original, getattr(original, "path", "the original weights"))
@@ -176,8 +172,6 @@ def load_original(original: Checkpoint, config: dict, device, dtype):
 
 def _check_names(model, missing, unexpected, where) -> set[str]:
     """Refuse weights that do not fit `model` (a tied lm_head may be missing); returns the tied names."""
-    from convert.errors import ConvertError
-
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     if unexpected or set(missing) - tied:
         raise ConvertError(
@@ -231,9 +225,6 @@ def load_pretrained(path, device, dtype, attention: str = "eager"):
     transformers builds the model on the meta device and reads each tensor once, in `dtype`;
     straight onto a GPU only with `accelerate` installed (its `device_map`), else through the CPU.
     """
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import is_accelerate_available, logging
-
     on_device = is_accelerate_available() and torch.device(device).type != "cpu"
     placement = {"device_map": {"": torch.device(device)}} if on_device else {}
     shown = logging.is_progress_bar_enabled()
@@ -277,12 +268,21 @@ def _config_dtype(config: dict) -> torch.dtype:
 
 def load_tokenizer(model_root):
     """The tokenizer saved in a model directory."""
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(model_root)
 
 
 # ------------------------------------------------------------------ the converted model type
+
+
+def swap_attention(model, mla: dict) -> None:
+    """Replace every decoder layer's attention with an MLAAttention (weights uninitialised)."""
+    inner = model.model
+    for i, layer in enumerate(inner.layers):
+        old = layer.self_attn
+        window = getattr(old, "sliding_window", None)
+        dtype = next(old.parameters()).dtype
+        rotary = layer_rotary(inner.rotary_emb, model.config, i)
+        layer.self_attn = build_mla_attention(mla, i, rotary=rotary, sliding_window=window, dtype=dtype)
 
 
 class MLAConfig(PretrainedConfig):
@@ -315,10 +315,6 @@ class MLAForCausalLM(PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: MLAConfig):
-        from transformers.initialization import no_init_weights
-
-        from convert.mla.model import swap_attention
-
         super().__init__(config)
         with no_init_weights():  # initialised once, by post_init below, unless it is being loaded
             source = _new_causal_lm(config.to_dict(), config.dtype or torch.float32)
@@ -358,7 +354,5 @@ class MLAForCausalLM(PreTrainedModel, GenerationMixin):
 
 def register() -> None:
     """Register `convert_mla` with transformers' AutoConfig / AutoModelForCausalLM (idempotent)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     AutoConfig.register(MLA_MODEL_TYPE, MLAConfig, exist_ok=True)
     AutoModelForCausalLM.register(MLAConfig, MLAForCausalLM, exist_ok=True)

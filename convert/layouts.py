@@ -1,17 +1,13 @@
-"""Checkpoints seen in the tensor layout conversion and transformers' modules read.
+"""Checkpoints seen in the tensor layout conversion and transformers' modules read (`TensorView`).
 
-Some families store tensors differently from how their transformers modules hold them:
-- Phi-3 fuses q, k and v in one `qkv_proj` weight (rows [q | k | v]); conversion reads
-  the three as separate row blocks under the family's q/k/v names (`attention_view`).
-- Mixtral checkpoints on disk keep one weight per expert (`block_sparse_moe.experts.{e}.w1/
-  w2/w3`, as transformers' `save_pretrained` writes them), while transformers' modules hold
-  the experts stacked (`mlp.experts.gate_up_proj` (E, 2I, D), `mlp.experts.down_proj`
-  (E, D, I)) and the router as `mlp.gate`; `module_layout` presents the stored experts in
-  that layout, the same values rearranged, so the original model's modules load them and
-  the converted checkpoint holds them as the MLA model's modules do.
+- Phi-3 fuses q, k and v in one `qkv_proj` weight (rows [q | k | v]); `attention_view` presents
+  the three as separate row blocks under the family's q/k/v names.
+- Mixtral checkpoints keep one weight per expert (`block_sparse_moe.experts.{e}.w1/w2/w3`), while
+  transformers' modules hold the experts stacked and the router as `mlp.gate`; `module_layout`
+  presents them stacked, the same values rearranged.
 
-A view is read-only: it adds virtual tensors assembled from stored ones, hides those, and
-hands everything else (raw bytes, config, paths) to the checkpoint it wraps (`stored`).
+A view is read-only: it adds virtual tensors assembled from stored ones, hides those, and hands
+everything else (raw bytes, config, paths) to the checkpoint it wraps (`stored`).
 """
 
 import re

@@ -23,6 +23,7 @@ from convert.errors import ConvertError
 if TYPE_CHECKING:
     import torch
 
+#: The `--target` choices: the names of `convert.targets.TARGETS`, which checks the flags each takes.
 TARGETS = ("mla", "transformers", "vllm")
 LAYOUTS = ("absorbed", "factored")
 LATENTS = ("split", "joint")
@@ -49,7 +50,7 @@ GROUPS = {
 
 @cache
 def _torch_dtypes() -> dict[str, torch.dtype]:
-    import torch
+    import torch  # heavy: options is on the light CLI path (--help, refusals), which must not import torch
 
     return {name: getattr(torch, name) for name in DTYPES}
 
@@ -170,7 +171,7 @@ class VerifyOptions(_FromKwargs):
 
     def run_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         """The verification run's dtype for a checkpoint stored in `checkpoint_dtype` (resolves auto)."""
-        import torch
+        import torch  # heavy: options is on the light CLI path (--help, refusals), which must not import torch
 
         if self.dtype != "auto":
             return _torch_dtypes()[self.dtype]
@@ -180,7 +181,7 @@ class VerifyOptions(_FromKwargs):
         """Greedy generation's dtype under --e2e auto: the --dtype given, else float32 (float64 for a
         float64 checkpoint): the tokens as users would generate them, and one whole model in that
         precision is what has to fit (SmolLM2 in float64 would not fit the streaming memory bound)."""
-        import torch
+        import torch  # heavy: options is on the light CLI path (--help, refusals), which must not import torch
 
         if self.dtype != "auto":
             return _torch_dtypes()[self.dtype]
@@ -204,7 +205,9 @@ class ConvertOptions(VerifyOptions):
 
     layout: str = option(
         "absorbed",
-        "absorbed: Ŵ^Q/Ŵ^O over the latent (MQA, head dim r); factored: keep W^Q, W^UK, W^UV, W^O (smaller on disk).",
+        "absorbed: Ŵ^Q/Ŵ^O over the latent (MQA, head dim r), the faster decode, checkpoint +30%; factored: keep "
+        "W^Q, W^UK, W^UV, W^O, checkpoint +5%, the layout to compress in. Both exact, KV cache = GQA's. "
+        "Figures: SmolLM2-135M.",
         group="layout",
         choices=LAYOUTS,
     )
@@ -320,28 +323,6 @@ class ConvertOptions(VerifyOptions):
                 f"--rank {self.rank} must be a positive number of latent dims (omit it for the exact rank)"
             )
         self._check_compression()
-        if self.target != "mla":
-            self._check_export()
-
-    def _check_export(self) -> None:
-        """An export target is exact and has its own fixed layout: refuse the flags it would ignore."""
-        ignored = {
-            "--layout": self.layout != "absorbed",
-            "--latent": self.latent != "split",
-            "--rank": self.rank,
-            "--kv-cache-ratio": self.kv_cache_ratio,
-            "--method": self.method,
-            "--calib": self.calib if self.target != "vllm" else None,
-            "--allocation": self.allocation,
-            "--max-ppl-ratio": self.max_ppl_ratio if self.target != "vllm" else None,
-            "--calibration": self.calibration if self.target != "vllm" else None,
-        }
-        given = [flag for flag, value in ignored.items() if value not in (None, False)]
-        if given:
-            raise ConvertError(
-                f"{', '.join(given)}: only for --target mla (--target {self.target} writes one fixed layout); "
-                "drop them or use --target mla"
-            )
 
     @property
     def lossy(self) -> bool:
@@ -497,7 +478,7 @@ def field_default(f):
 
 def resolve_device(name: str) -> torch.device:
     """auto = CUDA when present, else CPU; an explicit cuda without one is refused."""
-    import torch
+    import torch  # heavy: options is on the light CLI path (--help, refusals), which must not import torch
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

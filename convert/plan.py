@@ -1,16 +1,11 @@
 """The conversion plan: every size of a conversion, decided once before a tensor is written.
 
-From the attention spec (config + shapes), the options and, below the exact
-rank, the calibration statistics: per layer the latent ranks and the output
-tensors' shapes; for the model the KV-cache size per token, the attention
-parameter counts and the memory estimates. This is the only place those
-formulas live: the writer lays out shards from `output_tensors`, the runtime
-and verification read the ranks from the config section built from it, the
-summary, report and benchmarks read `sizes`.
-
-`plan_for_config(config, **options)` plans a model from its config.json alone
-(tensor shapes from a meta-device model): real 70B configs in milliseconds,
-allocating nothing.
+From the attention spec (config + shapes), the options and, below the exact rank, the
+calibration statistics: per layer the latent ranks and the output tensors' shapes; for the
+model the KV-cache size per token, the attention parameter counts and the memory estimates
+(docs/design.md, "Layout of the code" and "Memory"). `make_plan` gives a `ConversionPlan`;
+`plan_for_config(config, **options)` plans a model from its config.json alone (tensor shapes
+from a meta-device model), allocating nothing.
 """
 
 import dataclasses
@@ -22,11 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from convert import compress
-from convert.arch import AttentionSpec, resolve_attention
+from convert.arch import AttentionSpec, find_arch, resolve_attention
 from convert.errors import ConvertError
+from convert.hf import hf_classes, hf_config, meta_state_dict
+from convert.io.reader import dtype_itemsize
+from convert.io.writer import QUEUE_BYTES
 from convert.layouts import attention_view
 from convert.linalg import numerical_rank, work_dtype
-from convert.options import ConvertOptions
+from convert.linalg.absorb import BLOCK_BYTES
+from convert.options import ConvertOptions, dtype_name
 from convert.source import StateDictSource, attention_names, check_layer, norm_shape, read_layer
 
 # Whole-model verification holds both models plus activations: this many times
@@ -55,10 +54,6 @@ def gqa_cache_dims(spec: AttentionSpec) -> int:
 def cache_dims(ranks: dict[str, int]) -> int:
     """Values one MLA layer caches per token: r_K + r_V (split) or r (joint)."""
     return ranks.get("rank_kv", 0) + ranks.get("rank_k", 0) + ranks.get("rank_v", 0)
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def exact_ranks(spec: AttentionSpec, latent: str, layout: str, key_bias: bool) -> dict[str, int] | None:
@@ -122,7 +117,7 @@ def output_shapes(spec: AttentionSpec, ranks: dict[str, int], layout: str, biase
 
 def whole_model_memory_bytes(checkpoint_bytes: int, checkpoint_dtype: torch.dtype, run_dtype: torch.dtype) -> int:
     """Memory that whole-model verification needs: both models and activations, in `run_dtype`."""
-    return int(WHOLE_MODEL_FACTOR * checkpoint_bytes * itemsize(run_dtype) / itemsize(checkpoint_dtype))
+    return int(WHOLE_MODEL_FACTOR * checkpoint_bytes * dtype_itemsize(run_dtype) / dtype_itemsize(checkpoint_dtype))
 
 
 def largest_layer_bytes(*checkpoints) -> int:
@@ -133,7 +128,7 @@ def largest_layer_bytes(*checkpoints) -> int:
         for name in checkpoint.keys():
             match = re.search(r"\.layers\.(\d+)\.", name)
             key = (i, match.group(1) if match else name)
-            nbytes = math.prod(checkpoint.shape(name)) * itemsize(checkpoint.dtype(name))
+            nbytes = math.prod(checkpoint.shape(name)) * dtype_itemsize(checkpoint.dtype(name))
             layers[key] = layers.get(key, 0) + nbytes
     return max(layers.values(), default=0)
 
@@ -147,7 +142,7 @@ def memory_bound_bytes(largest_layer: int) -> int:
 def one_model_memory_bytes(checkpoint_bytes: int, checkpoint_dtype: torch.dtype, dtype: torch.dtype) -> int:
     """Memory of one whole model in `dtype` (greedy generation under --e2e auto: a few dozen tokens'
     KV cache and activations besides, and the tensor being read in), `ONE_MODEL_FACTOR` x its weights."""
-    return int(ONE_MODEL_FACTOR * checkpoint_bytes * itemsize(dtype) / itemsize(checkpoint_dtype))
+    return int(ONE_MODEL_FACTOR * checkpoint_bytes * dtype_itemsize(dtype) / dtype_itemsize(checkpoint_dtype))
 
 
 def streamed_verify_memory_bytes(
@@ -176,13 +171,13 @@ def streamed_verify_memory_bytes(
     softmax weights and the temporaries of their products: nine). A half-precision checkpoint's
     exact conversion runs the original's twin (`convert.verify.twin`) as a third stream.
     """
-    run = itemsize(run_dtype)
+    run = dtype_itemsize(run_dtype)
     w = min(tokens, window)
-    modules = layer_bytes * run // itemsize(checkpoint_dtype) + tensor_bytes
-    streams = 3 if itemsize(checkpoint_dtype) < 4 else 2
+    modules = layer_bytes * run // dtype_itemsize(checkpoint_dtype) + tensor_bytes
+    streams = 3 if dtype_itemsize(checkpoint_dtype) < 4 else 2
     states = streams * 2 * tokens * hidden * run
     inside = w * (3 * intermediate + 6 * hidden) * run + 2 * n_heads * w * w * max(run, 4)
-    logits = 9 * w * vocab_chunk * 8 + 2 * vocab_chunk * hidden * (run + itemsize(checkpoint_dtype))
+    logits = 9 * w * vocab_chunk * 8 + 2 * vocab_chunk * hidden * (run + dtype_itemsize(checkpoint_dtype))
     return modules + states + inside + logits
 
 
@@ -240,13 +235,17 @@ class ConversionPlan:
     def gqa_cache_dims(self) -> int:
         return self.spec.n_layers * gqa_cache_dims(self.spec)
 
+    def budget_dims(self, ratio: float) -> int:
+        """Cache dims per token (all layers) a --kv-cache-ratio allows."""
+        return budget_dims(self.spec, ratio)
+
     @property
     def cache_dims(self) -> int:
         return sum(layer.cache_dims for layer in self.layers)
 
     def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> tuple[int, int]:
         """(GQA, MLA) KV-cache bytes per token in `dtype` (default the checkpoint's)."""
-        size = itemsize(dtype or self.dtype)
+        size = dtype_itemsize(dtype or self.dtype)
         return self.gqa_cache_dims * size, self.cache_dims * size
 
     # ---- tensors
@@ -267,7 +266,7 @@ class ConversionPlan:
 
     def sizes(self) -> dict:
         """Attention parameters and KV cache per token, before and after, in the checkpoint's dtype."""
-        size = itemsize(self.dtype)
+        size = dtype_itemsize(self.dtype)
         before, after = self.cache_bytes_per_token()
         return {
             "attention_params_before": self.attention_params_before,
@@ -278,13 +277,13 @@ class ConversionPlan:
             "kv_cache_dims_per_token_after": self.cache_dims,
             "kv_cache_bytes_per_token_before": before,
             "kv_cache_bytes_per_token_after": after,
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": dtype_name(self.dtype),
         }
 
     # ---- memory
     @property
     def checkpoint_bytes(self) -> int:
-        return sum(math.prod(shape) * itemsize(dtype) for shape, dtype in self.source_tensors.values())
+        return sum(math.prod(shape) * dtype_itemsize(dtype) for shape, dtype in self.source_tensors.values())
 
     def layer_workers(self) -> int:
         """Layers converted at once (`api._convert_layers`): small layers' factorizations (SmolLM2:
@@ -301,10 +300,7 @@ class ConversionPlan:
         up-projections they are made from), one block of absorbed products, and the writer's
         queue (`QUEUE_BYTES`, or all the converted tensors if fewer) plus the tensor it is
         writing. Tensors copied through are copied file to file: no memory."""
-        from convert.io.writer import QUEUE_BYTES
-        from convert.linalg.absorb import BLOCK_BYTES
-
-        size, work = itemsize(self.dtype), itemsize(work_dtype(self.dtype))
+        size, work = dtype_itemsize(self.dtype), dtype_itemsize(work_dtype(self.dtype))
         absorbed = ("q_absorbed.", "o_absorbed.")
 
         def layer_bytes(i: int, layer: LayerPlan) -> int:
@@ -371,11 +367,6 @@ def resolve_spec(source, config: dict | None, opts: ConvertOptions) -> Attention
     lossy = _compresses(source, spec, opts)
     if spec.qk_norm is not None:
         _check_qk_norm_options(spec, opts, lossy)
-    if spec.arch.fused_qkv is not None and opts.target != "mla":
-        raise ConvertError(
-            f"--target {opts.target} writes DeepSeek-V3's MLP (gate_proj, up_proj), and {spec.arch.name}'s fused "
-            "gate_up_proj is not split for it; use --target mla (the default), which keeps the MLP as it is"
-        )
     if spec.rotary_dim is not None and opts.layout == "absorbed" and lossy:
         raise ConvertError(
             f"compressing partial RoPE (the first {spec.rotary_dim} of head_dim={spec.head_dim} dims rotate) in the "
@@ -406,7 +397,6 @@ def static_frequencies(spec: AttentionSpec, config: dict, angle: float) -> tuple
     embedding (rope_theta and scaling as transformers applies them)."""
     if spec.arch.hf_attention is None or config.get("model_type") is None:
         return ()
-    from convert.hf import hf_classes, hf_config
 
     rotary = hf_classes(spec.arch.name)[2](hf_config(config))
     inv_freq = getattr(rotary, "inv_freq", None)
@@ -423,11 +413,6 @@ def held_frequencies(inv_freq: torch.Tensor, span: int, angle: float) -> tuple[i
 def _check_qk_norm_options(spec: AttentionSpec, opts: ConvertOptions, compressing: bool) -> None:
     """What a q/k-norm conversion (aligned key latent, native runtime) does not cover."""
     name = f"a {spec.arch.name} model (q/k norm)"
-    if opts.target != "mla":
-        raise ConvertError(
-            f"--target {opts.target}: DeepSeek-V3 has no q/k norm, so {name} cannot be written for it "
-            "exactly; use --target mla (the default), which runs the norms on the latent"
-        )
     if not compressing:
         return
     if opts.layout == "absorbed":
@@ -532,9 +517,6 @@ def plan_for_config(config: dict, **options) -> ConversionPlan:
     rank, or --rank, with the split latent) can be planned this way. The tensors
     are meta tensors: shapes and dtypes, no data.
     """
-    from convert.arch import find_arch
-    from convert.hf import meta_state_dict
-
     opts = ConvertOptions.from_kwargs(**options)
     find_arch(config.get("model_type"), opts.arch)  # an unsupported family is refused before transformers sees it
     if opts.latent == "joint" or opts.kv_cache_ratio is not None:

@@ -156,7 +156,7 @@ def _check_attention_shapes(source, spec: AttentionSpec, layer: int) -> None:
 def read_layer(source, spec: AttentionSpec, layer: int) -> LayerWeights:
     """Load one layer's attention tensors, refusing NaN/Inf with the tensor's name. From a
     checkpoint they are read with plain file reads (`Checkpoint.read`), not through its mapping,
-    whose pages would stay resident until the checkpoint closes (Llama-3-8B: 84 MB a layer)."""
+    whose pages would stay resident until the checkpoint closes."""
     read = getattr(source, "read", source.get)
     tensors = {}
     for proj in PROJECTIONS:
@@ -170,8 +170,8 @@ def read_layer(source, spec: AttentionSpec, layer: int) -> LayerWeights:
 
 
 def _finite(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    # A NaN or Inf makes the sum NaN or Inf, so a finite sum proves every value finite (25x faster
-    # than isfinite().all() on a 576 x 576 matrix); a sum that overflows gets the full check.
+    # A NaN or Inf makes the sum NaN or Inf, so a finite sum proves every value finite (one reduction,
+    # cheaper than isfinite().all()); a sum that overflows gets the full check.
     if not torch.isfinite(tensor.sum()) and not torch.isfinite(tensor).all():
         bad = int((~torch.isfinite(tensor)).sum())
         raise ConvertError(

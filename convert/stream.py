@@ -12,6 +12,7 @@ import torch
 
 from convert.arch import ARCHS
 from convert.hf import causal_mask, hf_classes, hf_config, layer_rotary, reference_attention
+from convert.layouts import module_layout
 
 
 def load_module(module: torch.nn.Module, checkpoint, prefix: str, device, dtype) -> torch.nn.Module:
@@ -71,8 +72,6 @@ class LayerStream:
     """
 
     def __init__(self, checkpoint, config: dict, device, dtype):
-        from convert.layouts import module_layout
-
         self.checkpoint, self.device, self.dtype = module_layout(checkpoint, config), device, dtype
         self.arch = ARCHS[config.get("mla", {}).get("source_architecture") or config["model_type"]]
         self.mask_config = hf_config(config)

@@ -5,6 +5,7 @@ from pathlib import Path
 import torch
 
 from convert.errors import ConvertError
+from convert.hf import load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -34,6 +35,5 @@ def model_tokenizer(model_root: Path):
     """The model directory's own tokenizer, or None when it has none (e.g. a random fixture)."""
     if not any((Path(model_root) / n).is_file() for n in TOKENIZER_FILES):
         return None
-    from convert.hf import load_tokenizer
 
     return load_tokenizer(model_root)

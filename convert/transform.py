@@ -1,23 +1,11 @@
-"""The pure state-dict transform: one layer's GQA attention tensors -> MLA tensors.
+"""The pure state-dict transform: one layer's GQA attention tensors -> MLA tensors (`convert_layer`).
 
-No files and no modules here: tensors in, tensors out (float64; `dtype` for the absorbed
-Ŵ^Q and Ŵ^O, the layer's largest, cast head by head; the factored layout's W^Q and W^O as
-given; callers cast the rest).
-Output tensor names are relative to the layer's attention prefix and match the
-submodules of `convert.mla.MLAAttention`:
-
-  absorbed, split: k_down (r_K × D, + bias with RoPE key bias), v_down (r_V × D),
-                   q_absorbed (H·r_K × D), o_absorbed (D × H·r_V)
-  absorbed, joint: kv_down (r × D), q_absorbed (H·r × D), o_absorbed (D × H·r)
-  factored:        q_proj, k_down / v_down (or kv_down), k_up (H·d × r_K),
-                   v_up (H·d × r_V), o_proj
-  q/k norm (Qwen3): the key latent is aligned (`aligned_rope_factor`: each KV head's
-                   key, permuted), so k_norm (d) runs on its blocks; the query is
-                   normalised live: q_proj, q_norm, k_norm, k_down, v_down, k_up and
-                   o_absorbed (absorbed: W^UK applied to the normed query at run
-                   time) or v_up, o_proj (factored); compressed (factored only):
-                   k_down keeps the whole aligned key for the norm, and k_compress
-                   (r_K × G·d) caches r_K dims of the normed keys
+No files and no modules here: tensors in, tensors out (in `work_dtype`: float64, float32 for a
+half-precision checkpoint; `dtype` for the absorbed Ŵ^Q and Ŵ^O, the layer's largest, cast head
+by head; the factored layout's W^Q and W^O as given; callers cast the rest). `factor_layer`
+factors one layer's keys and values. Output tensor names are relative to the layer's attention
+prefix and match the submodules of `convert.mla.MLAAttention`; docs/design.md, "Output format",
+lists them per layout (absorbed split or joint, factored, q/k norm).
 """
 
 from dataclasses import dataclass, field
@@ -52,7 +40,7 @@ class LayerWeights:
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
-    q_norm: torch.Tensor | None = None  # (d,) per-head RMSNorm weights (Qwen3)
+    q_norm: torch.Tensor | None = None  # RMSNorm weights: (d,) per head (Qwen3, Gemma 3), or (H·d,) / (G·d,) (OLMo 2)
     k_norm: torch.Tensor | None = None
 
 

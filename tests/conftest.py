@@ -198,8 +198,8 @@ def tiny_llama_dir() -> Path:
 # distinct window: converting and running the same model again and again was most
 # of the suite's time. Every test still makes its own claim on these outputs.
 
-EVAL_TOKENS = 8192  # tokens of Emma compared end to end (README: "8,192 tokens of *Emma*")
-GREEDY_TOKENS = 32  # greedy tokens that must be identical (README: "32 greedy tokens identical")
+EVAL_TOKENS = 8192  # tokens of Emma compared end to end (bench/README.md: "8,192 tokens of *Emma*")
+GREEDY_TOKENS = 32  # greedy tokens that must be identical (bench/README.md: "32 greedy tokens identical")
 SMOLLM2_LAYOUTS = ["absorbed", "factored"]
 
 

@@ -185,7 +185,7 @@ ARCHS: dict[str, ArchSpec] = {
     "llama": _hf("llama", "LlamaAttention", _LLAMA_BIAS),
     "mistral": _hf("mistral", "MistralAttention", _MISTRAL_BIAS),
     "qwen2": _hf("qwen2", "Qwen2Attention", _QWEN2_BIAS),
-    # Qwen3: Llama's layout plus per-head RMSNorm of q and k before RoPE (DESIGN §5).
+    # Qwen3: Llama's layout plus per-head RMSNorm of q and k before RoPE (docs/design.md, "Biases and layer features").
     "qwen3": _hf("qwen3", "Qwen3Attention", _LLAMA_BIAS, qk_norm="head"),
     # OLMo 2: RMSNorm of q and k over the whole projection (all heads at once), norms after
     # attention and MLP.
@@ -237,8 +237,8 @@ ARCHS: dict[str, ArchSpec] = {
     ),
 }
 
-# Families with q/k norm that are not entered yet (Qwen3 is: per-head norm, DESIGN §5). Each is
-# refused with what it adds beyond Qwen3's per-head norm.
+# Families with q/k norm that are not entered yet (qwen3, olmo2 and gemma3_text are; docs/design.md,
+# "Biases and layer features"). Each is refused with what it adds beyond the entered families' norms.
 QK_NORM_MODEL_TYPES = {
     "qwen3_moe": "a mixture-of-experts MLP",
     "qwen3_next": "hybrid linear attention",

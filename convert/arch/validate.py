@@ -1,14 +1,11 @@
-"""Type and range checks of config.json, before any of its values is used.
+"""Type and range checks of config.json, before any of its values is used: `check_config`.
 
-A field of the wrong type (a head count written as a string, a float where an
-integer belongs, `rope_parameters` as a string, a 40-digit layer count) would
-otherwise surface as a Python exception deep inside planning or transformers.
-Each refusal is one line: the file, the field, what it holds, what it must hold.
-
-Only the fields this package or the supported families (Llama, Mistral, Qwen2)
-read are checked; others pass through untouched. Consistency with the tensors
-(head counts against shapes, layers present, vocabulary against the embedding)
-is `convert.arch.spec`'s: it needs the checkpoint.
+A field of the wrong type (a head count written as a string, a float where an integer belongs,
+`rope_parameters` as a string, a 40-digit layer count) would otherwise surface as a Python
+exception deep inside planning or transformers. Each refusal is one line: the file, the field,
+what it holds, what it must hold. Only the fields of `TOP_LEVEL`, `ROPE_FIELDS` and `layer_types`
+are checked; others pass through untouched. Consistency with the tensors (head counts against
+shapes, layers present, vocabulary against the embedding) is `convert.arch.spec`'s.
 """
 
 import math

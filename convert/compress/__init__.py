@@ -1,8 +1,9 @@
-"""Compression below the exact rank: calibration, weighting, budget allocation (DESIGN §6).
+"""Compression below the exact rank: calibration, weighting, budget allocation (docs/design.md, "Compression").
 
-`uniform_ranks` and `allocate_global` decide the latent sizes for a KV-cache
-budget (the budget itself is `convert.plan`'s); the conversion then factors each layer with `layer_weighting`'s weights at those
-ranks (see `convert.transform.factor_layer`).
+`uniform_ranks` and `allocate_global` decide the latent sizes for a KV-cache budget (the budget
+itself is `convert.plan`'s); the conversion then factors each layer with `layer_weighting`'s
+weights at those ranks (see `convert.transform.factor_layer`). The statistics behind the weights
+come from `calibrate` and `fisher_calibrate(_streamed)`, or from `convert.compress.sequential`.
 """
 
 import torch
@@ -10,8 +11,9 @@ import torch
 from convert.arch import AttentionSpec
 from convert.compress.allocate import Latent, allocate_global
 from convert.compress.calibrate import LayerStats, calibrate, fisher_calibrate, fisher_calibrate_streamed
-from convert.compress.weights import METHODS, Weighting, layer_weighting
+from convert.compress.weights import Weighting, layer_weighting
 from convert.linalg.weighted import decoupled_spectrum, pair_weighted_moment_spectrum, weighted_spectrum
+from convert.options import METHODS
 from convert.transform import LayerWeights, with_bias
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Spending a KV-cache budget across layers, keys and values (DESIGN §6).
+"""Spending a KV-cache budget across layers, keys and values (docs/design.md, "Compression").
 
 Each latent (a layer's keys or values) has a spectrum of weighted singular
 values; keeping component i removes σ_i² from its error. `uniform` gives every

@@ -123,8 +123,8 @@ def fisher_calibrate_streamed(
     re-run on its stored input. The same K-FAC statistics (in `dtype`, float32 by default as the
     whole model computes them; its loss gradient a little closer to float64's, since the whole
     model's cross-entropy on float32 logits cancels in p − 1 at confident tokens). Memory: one
-    decoder layer, one vocabulary chunk, and n_layers × tokens × D hidden states (SmolLM2,
-    4,096 tokens: 283 MB)."""
+    decoder layer, one vocabulary chunk, and n_layers × tokens × D hidden states
+    (bench/calib_memory.py measures it)."""
     rows = windows(token_ids, min(window, token_ids.shape[-1]))  # (B, L)
     stream = LayerStream(checkpoint, config, torch.device(device), dtype)
     stored = []  # each layer's input hidden states (B, L, D)

@@ -1,4 +1,4 @@
-"""What each latent's error is weighted by, per compression method (DESIGN §6).
+"""What each latent's error is weighted by, per compression method (docs/design.md, "Compression").
 
 - svd: nothing (plain weight SVD, the baseline);
 - whitened: the layer's input second moment M (activation-whitened SVD);
@@ -15,8 +15,6 @@ from convert.arch import AttentionSpec
 from convert.compress.calibrate import LayerStats
 from convert.linalg.weighted import hermitian_pair_weights, psd_sqrt, static_split
 from convert.transform import LayerWeights
-
-METHODS = ("svd", "whitened", "fisher")
 
 
 @dataclass
@@ -49,13 +47,13 @@ def layer_weighting(
     return _fisher_weighting(weighting, spec, layout, stats)
 
 
-def _ridge(m: torch.Tensor, rel: float = 1e-6) -> torch.Tensor:
+def ridge(m: torch.Tensor, rel: float = 1e-6) -> torch.Tensor:
     """m + rel·mean(diag)·I: keeps directions the calibration text never excited invertible."""
     return m + rel * m.diagonal().mean() * torch.eye(m.shape[0], dtype=m.dtype)
 
 
 def _fisher_weighting(weighting: Weighting, spec: AttentionSpec, layout: str, stats: LayerStats) -> Weighting:
-    key_f, value_f = _ridge(stats.key_fisher), _ridge(stats.value_fisher)
+    key_f, value_f = ridge(stats.key_fisher), ridge(stats.value_fisher)
     if spec.rope and layout == "absorbed":
         d = spec.head_dim
         weighting.key_pairs = hermitian_pair_weights(key_f, spec.n_kv_heads)  # (d/2, G, G)

@@ -1,8 +1,7 @@
 """File-system primitives for writing an output safely.
 
-- `environment_errors`: an `OSError` from the machine (disk full, permission,
-  read-only file system, name too long) becomes one `EnvironmentFailure` line
-  (exit 3) naming the output and the fix.
+- `environment_errors`: an `OSError` from the machine (disk full, permission, read-only file
+  system, name too long) becomes one `EnvironmentFailure` line (exit 3) naming the output and the fix.
 - `make_sibling`: a hidden temporary directory beside the output, named
   `.NAME.KIND-<pid>-<random>` so a later run can tell a dead process left it.
 - `move_into_place`: the new directory takes the output's place in one step

@@ -1,15 +1,10 @@
-"""Where a conversion may write, and how one run claims that place.
+"""Where a conversion may write, and how one run claims that place (docs/design.md, "Output format").
 
-The rules (README, "Output format"):
-- the output is never an input, nor an ancestor or a descendant of one, and
-  never a file or a symbolic link: convert neither writes into nor deletes them;
-- an existing output is replaced only with `force`, and only when convert wrote
-  it: it holds a finished `.convert-manifest.json` and nothing the manifest
-  does not list (a file someone added or changed means a person uses it);
-- one run at a time per output: `.NAME.lock` beside it (flock, pid inside),
-  held for the whole run and removed at its end;
-- what dead runs left beside it (`.NAME.tmp-<pid>-*`, `.NAME.old-<pid>-*`) is
-  removed, or restored when the output itself is missing, with a warning.
+`check_output` refuses an input (or an ancestor or descendant of one), a file, a symbolic link, and
+an existing output unless `force` is given and convert wrote it (a finished `.convert-manifest.json`
+lists all it holds). `output_lock` claims the output for the whole run (`.NAME.lock` beside it:
+flock, pid inside) and removes, or restores with a warning, what dead runs left beside it
+(`.NAME.tmp-<pid>-*`, `.NAME.old-<pid>-*`). `default_output`: `<name>-mla` beside the input.
 
     with output_lock(output, [src], force):    # checks, locks, cleans up
         ...plan, then CheckpointWriter(output, ...), write, commit...
@@ -187,6 +182,13 @@ def _check_parents(output: Path | str, out: Path) -> None:
             if not os.path.isdir(parent):
                 raise ConvertError(f"output {output}: {parent} is a file, not a directory; choose another -o")
             return
+
+
+def default_output(src: Path | str) -> Path:
+    """`<name>-mla` beside the input: ckpt.safetensors -> ckpt-mla/, model_dir -> model_dir-mla/."""
+    src = Path(src)
+    name = src.stem if src.is_file() else src.name
+    return src.resolve().parent / f"{name}-mla"
 
 
 def check_output(output: Path | str, inputs: Iterable[Path | str | None] = (), force: bool = False) -> None:

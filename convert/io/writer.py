@@ -1,23 +1,11 @@
-"""Streaming, atomic, sharded safetensors writer.
+"""Streaming, atomic, sharded safetensors writer: `CheckpointWriter` (and `parse_size`).
 
-The full tensor plan (name -> shape, dtype) is known up front, so every
-shard's header is written and the file preallocated before any data arrives.
-Each ``write()`` then seeks to the tensor's slot, which lets tensors arrive in
-any order. Writes happen on background threads (`_WriteBehind`: one for computed
-tensors, one for tensors copied file to file) while the caller computes the next
-layer, with the dirty pages flushed to disk as they accumulate, so commit's
-fsync finds little left to do; at most ``QUEUE_BYTES`` of queued tensors (or
-one larger tensor) wait in memory.
-
-Everything is written to a hidden temporary sibling directory
-(``.NAME.tmp-<pid>-<random>``, created with the process umask) and moved into
-place only by ``commit()``, in one step that leaves the previous output intact
-until the new one is complete; a failed or interrupted conversion leaves no
-half-written output behind. ``commit()`` lists every file it wrote, with its
-size, in ``.convert-manifest.json``: that is how a later ``--force`` knows the
-directory is convert's to replace (``convert.io.output``). An ``OSError``
-(disk full, permission, read-only, name too long) becomes one
-``EnvironmentFailure`` line naming the output and the fix (exit 3).
+The tensor plan (name -> shape, dtype) is known up front, so every shard's header is written and
+its file preallocated first; tensors then arrive in any order and are written by background
+threads while the caller computes the next layer. Everything goes to a hidden temporary sibling
+(``.NAME.tmp-<pid>-<random>``) that ``commit()`` moves into place in one step, listing every file
+in ``.convert-manifest.json``; a failed or interrupted run leaves no half-written output. An
+``OSError`` becomes one ``EnvironmentFailure`` line naming the output and the fix (exit 3).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@
 - `factor`: exact (and truncated) low-rank factorizations of the K/V projections.
 - `rope`: the per-frequency complex latent that keeps RoPE keys exact.
 - `absorb`: folding the up-projections into the query and output projections.
+- `weighted`: weighted low-rank factorizations for compression below the exact rank
+  (imported from `convert.linalg.weighted`, not re-exported here).
 """
 
 from convert.linalg.absorb import absorb_output, absorb_query

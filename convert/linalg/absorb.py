@@ -1,4 +1,4 @@
-"""Absorbing up-projections into the query and output projections (DESIGN §3).
+"""Absorbing up-projections into the query and output projections (docs/design.md, "Absorption").
 
 Per head h, with up-projection block `W^{U}_h` (d × r):
     Ŵ^Q_h = (W^{UK}_h)ᵀ W^Q_h   (r × X)  so that  q̂_hᵀ c = q_hᵀ k_h
@@ -24,8 +24,9 @@ def absorb_query(
     """(H·d, X) query weights and (H·d, r) key up-projection -> (H·r, X) in `dtype`.
 
     X may include a bias column; the result's columns follow it. The products are computed
-    in `work_dtype(dtype)` (float64; float32 for a half-precision result) a block of heads at a time and cast as they are stored, so only the
-    result (in `dtype`) and one block are in memory: a Llama-3-8B layer's Ŵ^Q is 1 GiB in float64.
+    in `work_dtype(dtype)` (float64; float32 for a half-precision result) a block of heads at
+    a time and cast as they are stored, so only the result (in `dtype`) and one block are in
+    memory.
     """
     work = work_dtype(dtype)
     q = w_q.reshape(n_heads, -1, w_q.shape[-1])  # (H, d, X)

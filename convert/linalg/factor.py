@@ -1,4 +1,4 @@
-"""Low-rank factorizations `W = up @ down` of key/value projections (DESIGN §2).
+"""Low-rank factorizations `W = up @ down` of key/value projections (docs/design.md, "The exact factorization").
 
 Factorizations run in float64 and return float64, unless a caller asks for float32
 (`work_dtype`: the exact conversion of a half-precision checkpoint); callers cast at the end.
@@ -43,9 +43,8 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     float64, or float32 for a half-precision checkpoint. Its own rounding (float16: 2^-11
     relative, bfloat16: 2^-8) is ~10^3 times float32's: an orthonormal basis from a float32
     eigendecomposition reconstructs W to ~1e-6, products over d = 128 terms carry ~7e-7.
-    float64 would take twice as long (a Llama-3-8B layer: ~1 s of factorization, 34 GFLOP of
-    absorbed products) for the same stored values, bar an ulp where a value sits on a rounding
-    boundary. Compression (`convert.linalg.weighted`) always runs in float64."""
+    float64 would take longer for the same stored values, bar an ulp where a value sits on a
+    rounding boundary. Compression (`convert.linalg.weighted`) always runs in float64."""
     return torch.float64 if torch.finfo(dtype).bits >= 32 else torch.float32
 
 
@@ -75,8 +74,8 @@ def real_factor(weight: torch.Tensor, rank: int | None = None, dtype: torch.dtyp
         u, s, vh = torch.linalg.svd(w, full_matrices=False)  # u (m,k) s (k,) vh (k,X)
         return Factor(up=u[:, :r], down=s[:r, None] * vh[:r], singular_values=s, kept=s[:r])
     # Wide (G·d ≤ D, every real K/V projection): U from the eigenvectors of the small
-    # (m × m) Gram matrix W Wᵀ = U S² Uᵀ, then down = Uᵀ W (= S Vᵀ) — several times
-    # faster than a full SVD, and exact at full rank because U is an orthonormal basis.
+    # (m × m) Gram matrix W Wᵀ = U S² Uᵀ, then down = Uᵀ W (= S Vᵀ) — faster than a full SVD
+    # (bench/factorization.py measures it), and exact at full rank because U is an orthonormal basis.
     vals, vecs = torch.linalg.eigh(w @ w.T)  # ascending
     u, s = vecs.flip(-1), vals.flip(0).clamp(min=0).sqrt()  # descending
     return Factor(up=u[:, :r], down=u[:, :r].T @ w, singular_values=s, kept=s[:r])

@@ -1,17 +1,11 @@
-"""Exact absorption with RoPE keys: the per-frequency complex latent (DESIGN §4).
+"""Exact absorption with RoPE keys: the per-frequency complex latent (docs/design.md, "RoPE").
 
-RoPE (rotate_half layout) rotates pair j of every head, dims (j, j + d/2), by
-the same angle m·θ_j. Read pair j of group g as a complex number:
-    k_{g,j} = k[g·d + j] + i·k[g·d + j + d/2].
-Per frequency the keys are `A_j y` with complex `A_j` (G × X). The complex SVD
-`A_j = U_j (S_j V_jᴴ)` gives a latent `c_j = S_j V_jᴴ y` that RoPE may rotate
-by the same e^{i m θ_j}, because a complex scalar commutes with `U_j`.
-
-In real terms this is a factorization `W^K = up @ down` whose `up` maps latent
-pair p (dims p, p + P) onto key pair j = freq_index[p] (dims j, j + d/2) by a
-2×2 rotation-scaling block, so `R_m up = up R̃_m`: rotating the latent with the
-same cos/sin is the same as rotating the keys. Absorbing `up` into the queries
-is then the ordinary `(W^{UK}_h)ᵀ W^Q_h`.
+Each frequency's keys are factored by a complex SVD, so the latent rotates exactly as the keys
+do: a real factorization `W^K = up @ down` whose latent pair p turns with source frequency
+`freq_index[p]`, and absorbing `up` into the queries is the ordinary `(W^{UK}_h)ᵀ W^Q_h`.
+Entry points: `rope_factor` (every dim rotates), `partial_rope_factor` ([rotary pairs | NoPE
+dims]), `aligned_rope_factor` (the latent is the keys themselves, for q/k norms; `latent_groups`
+and `latent_ungroup` reshape it per KV head).
 """
 
 import torch
@@ -113,9 +107,9 @@ def aligned_rope_factor(weight: torch.Tensor, n_kv_heads: int) -> Factor:
 
     weight: (G·d, X). Latent pair p = g·(d/2) + j holds key pair j of group g
     (dims p and p + P, P = G·d/2, rotate_half layout), so `freq_index[p] = j`, and
-    the dims of group g are a permutation of that head's key: a per-head function
-    of the key (the RMS of a q/k norm, DESIGN §5) is the same function of its latent
-    block. Returns up (G·d, G·d), a permutation, and down = the permuted rows.
+    the dims of group g are a permutation of that head's key: a per-head function of the key
+    (the RMS of a q/k norm, docs/design.md, "Biases and layer features") is the same function
+    of its latent block. Returns up (G·d, G·d), a permutation, and down = the permuted rows.
     """
     rows = weight.shape[0]
     head_dim = rows // n_kv_heads

@@ -1,15 +1,11 @@
-"""Weighted low-rank factorizations for compression below the exact rank (DESIGN §6).
+"""Weighted low-rank factorizations for compression below the exact rank (docs/design.md, "Compression").
 
-The error that matters is not ‖W − up·down‖ but what it does to the layer:
-    ‖B (W − up·down) S‖_F,   S = M^{1/2},  M = E[y yᵀ] over the layer's real inputs,
-and B weights the rows by what reads them: the queries for keys (score error
-q_hᵀ Δk), W^O for values (output error W^O_h Δv). With B = I, S = I this is
-plain weight SVD; with B = I, S = M^{1/2} activation-whitened SVD.
-
-The best rank-r `down` spans the top-r left singular directions U_r of Z = B W S:
-down = U_rᵀ B W. Given `down`, the best `up` is the least-squares fit
-up = W M downᵀ (down M downᵀ)⁻¹, which does not depend on B: no matrix square
-root is ever inverted.
+Each minimizes what the error does to the layer, ‖B (W − up·down) M^{1/2}‖_F (M the second moment
+of the layer's inputs, B a weight on the rows; B = I and M = I is plain weight SVD).
+Entry points: `weighted_factor` (real latents), `weighted_rope_factor` (per-frequency complex
+RoPE latents; `hermitian_pair_weights` gives Fisher row weights), `decoupled_rope_factor` and
+`decoupled_spectrum` (slow frequencies cached as NoPE dims, `static_split`), and the spectra
+the budget allocation reads (`weighted_spectrum`, `pair_weighted_moment_spectrum`).
 """
 
 import torch

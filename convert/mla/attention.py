@@ -1,26 +1,12 @@
-"""The runnable MLA attention: a drop-in for a transformers attention module.
+"""The runnable MLA attention: `MLAAttention`, a drop-in for a transformers attention module.
 
-Two layouts over the same cached latent (DESIGN §3, §4):
-- absorbed: MQA with head dim r over the latent. Queries come from Ŵ^Q; RoPE
-  rotates latent pair p with the source frequency `freq_index[p]`, so the cache
-  holds the rotated key latent and the value latent, nothing per head.
-- factored: cache the latents, up-project keys and values per head at run time,
-  then apply the source model's RoPE to queries and keys.
-
-With a q/k norm (Qwen3 per head, OLMo 2 over the whole projection) the key latent
-is aligned (each KV head's key, permuted), so the key norm runs on its blocks (or
-on all of them) before RoPE, and the query is normalised live and then multiplied
-by W^UK (absorbed) as DeepSeek does.
-
-The cache (a transformers `Cache`) holds latents only: keys slot (B, 1, S, r_K),
-values slot (B, 1, S, r_V) (joint: values slot empty, the key latent serves
-both). The factored layout with RoPE also keeps each cached token's position
-(int64) beside the latent, because RoPE is applied after the up-projection.
-
-Attention runs through `torch.nn.functional.scaled_dot_product_attention` (SDPA): the
-module builds no (B, H, L, S) scores and no per-head copy of the latent, and a fused
-kernel (torch's CPU flash kernel: float64 to float16) keeps none either. Explicit scores
-("eager") only for soft-capping, which SDPA cannot express.
+Two layouts over the same cached latent (docs/design.md, "Absorption" and "RoPE"): absorbed (MQA
+with head dim r over the latent, queries from Ŵ^Q, RoPE rotating latent pair p with the source
+frequency `freq_index[p]`) and factored (keys and values up-projected per head at run time, then
+the source's RoPE). The cache (a transformers `Cache`) holds latents only: keys (B, 1, S, r_K),
+values (B, 1, S, r_V) (joint: the key latent serves both), and in the factored layout with RoPE
+each token's position. Attention runs through SDPA; explicit scores ("eager") only for
+soft-capping. `build_mla_attention` builds one layer's module from the `mla` config section.
 """
 
 import torch
@@ -366,8 +352,8 @@ def _remember_positions(layer, positions: torch.Tensor, seq: int) -> torch.Tenso
 def _decode_groups(n_heads: int, batch: int, device: torch.device) -> int:
     """Work items per sequence for a decode step over the shared latent. torch's CPU kernel gives
     each (sequence, group) one thread: as many groups as threads per sequence (one group leaves
-    the other threads idle; one per head reads the cache H times: 3-6x slower single-threaded at
-    S = 1-4K, r = 1024). Elsewhere one per head, as for GQA (not measured here)."""
+    the other threads idle; one per head reads the cache H times, slower even single-threaded).
+    Elsewhere one per head, as for GQA (not measured here)."""
     if device.type != "cpu":
         return n_heads
     most = max(1, torch.get_num_threads() // batch)

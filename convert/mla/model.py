@@ -13,9 +13,10 @@ import torch
 
 from convert.arch import ARCHS
 from convert.errors import ConvertError
-from convert.hf import MLAForCausalLM, allocate, fill_strict, layer_rotary, load_strict
+from convert.hf import MLAForCausalLM, allocate, fill_strict, load_strict
+from convert.hf import swap_attention as swap_attention  # re-exported: it lives beside MLAForCausalLM, which uses it
 from convert.io import open_checkpoint
-from convert.mla.attention import build_mla_attention
+from convert.io.reader import dtype_itemsize
 from convert.mla.schema import check_converted
 from convert.options import TORCH_DTYPES
 
@@ -59,17 +60,6 @@ def _resolve_device(device) -> torch.device:
             f"device={str(device)!r}: only {torch.cuda.device_count()} CUDA device(s) here; pass device='cuda:0'"
         )
     return device
-
-
-def swap_attention(model, mla: dict) -> None:
-    """Replace every decoder layer's attention with an MLAAttention (weights uninitialised)."""
-    inner = model.model
-    for i, layer in enumerate(inner.layers):
-        old = layer.self_attn
-        window = getattr(old, "sliding_window", None)
-        dtype = next(old.parameters()).dtype
-        rotary = layer_rotary(inner.rotary_emb, model.config, i)
-        layer.self_attn = build_mla_attention(mla, i, rotary=rotary, sliding_window=window, dtype=dtype)
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -136,6 +126,6 @@ def cache_bytes_per_token(model, n_tokens: int = 8, as_dtype: torch.dtype | None
             if tensor is not None:
                 size = tensor.element_size()
                 if as_dtype is not None and tensor.is_floating_point():
-                    size = torch.empty((), dtype=as_dtype).element_size()
+                    size = dtype_itemsize(as_dtype)
                 total += tensor.numel() * size
     return total / n_tokens

@@ -1,18 +1,10 @@
 """Checks of a converted directory before anything runs on it: its config.json `mla` section
 against this version's format, the source fields beside it, and the tensors present.
 
-`convert verify` and `load_mla_model` build modules from the section. A field of the wrong
-type would end in a Python exception; a section that describes fewer layers than the
-checkpoint holds would verify only those and say PASS. In order:
-
-1. config.json parses (strict JSON) and its source fields are well typed (`convert.arch.validate`);
-2. the section's own fields: types, known values, and this version's `format_version`;
-3. the section against the source fields: architecture, layers, heads, dims;
-4. the section against the tensors: exactly layers 0…n_layers-1, every converted attention
-   tensor with the shape its ranks give (`convert.plan.output_shapes`), floating point; for a
-   transformers family, every other tensor as transformers builds the model.
-
-Each refusal is a `ConvertError` (exit 2): one line naming the file, the field or tensor, and the fix.
+`check_converted(path)` runs them in order: strict JSON and well-typed source fields, the section's
+own fields and `format_version`, the section against the source fields, then against the tensors
+(`convert.plan.output_shapes`). Each refusal is a `ConvertError` (exit 2): one line naming the file,
+the field or tensor, and the fix (docs/design.md, "Output format").
 """
 
 from pathlib import Path
@@ -23,8 +15,11 @@ from convert.arch.registry import HEAD_MAPS
 from convert.arch.spec import count_layers
 from convert.arch.validate import check_config, check_field, count, flag, one_of, positive, refuse, string
 from convert.errors import ConvertError
+from convert.hf import meta_state_dict
 from convert.io.reader import CONFIG_NAME, Checkpoint, open_checkpoint, read_json
+from convert.mla.format import FORMAT_VERSION, MLA_MODEL_TYPE
 from convert.options import LATENTS, LAYOUTS
+from convert.plan import output_shapes
 
 RECONVERT = "re-convert with `convert gqa2mla`"
 
@@ -51,8 +46,6 @@ BIASED = {"absorbed": ("k_down", "q_absorbed", "q_proj", "o_absorbed"), "factore
 
 def format_version() -> int:
     """The format this version writes (and so the newest it reads)."""
-    from convert.api import FORMAT_VERSION
-
     return FORMAT_VERSION
 
 
@@ -83,8 +76,6 @@ def source_config(config: dict, mla: dict, where: str) -> dict:
     fields = {k: v for k, v in config.items() if k != "mla"}
     if mla["format_version"] < 2:
         return fields
-    from convert.hf import MLA_MODEL_TYPE
-
     source_type = mla.get("source_model_type")
     check_field(where, "mla.source_model_type", source_type, lambda v: None if v is None else string(v), RECONVERT)
     own = MLA_MODEL_TYPE if source_type is not None else None
@@ -340,8 +331,6 @@ def _check_layer_tensors(
     spec: AttentionSpec, i: int, entry: dict, layout: str, checkpoint: Checkpoint, where: str
 ) -> None:
     """Layer i's converted tensors: the names and shapes its ranks and biases give, floating point."""
-    from convert.plan import output_shapes
-
     ranks = {k: v for k, v in entry.items() if k.startswith("rank")}
     expected = output_shapes(spec, ranks, layout, _source_biases(entry.get("bias", [])))
     listed = {b + ".bias" for b in entry.get("bias", [])}
@@ -394,8 +383,6 @@ def _check_other_tensors(config: dict, checkpoint: Checkpoint, attention: tuple[
 
 def _meta_state_dict(config: dict, where: str) -> dict:
     """The model's tensors as transformers builds them (meta device), or a one-line refusal."""
-    from convert.hf import meta_state_dict
-
     try:
         return meta_state_dict(config)
     except Exception as exc:  # transformers refuses a config with many exception types: all become one line

@@ -1,56 +1,12 @@
-"""An exact `DeepseekV3ForCausalLM` checkpoint for stock transformers (DESIGN §10, target `transformers`).
+"""An exact `DeepseekV3ForCausalLM` checkpoint for stock transformers (target `transformers`).
 
-Built from the SOURCE GQA weights (not from the native MLA output): per layer, with
-H query heads, G key/value groups, head dim d, hidden D, R = G·d,
-
-  q_proj              (H·R, D)  head h: its source query (rows permuted to interleaved
-                                 pairs, × the softmax-scale ratio c) in group g(h)'s
-                                 d-block of its R rotary dims, zero elsewhere
-  kv_a_proj_with_mqa  (n + R, D) [latent (n) | k_pe (R)]:
-                                 latent = [W^V (R rows) ; zero pad ; 0] + bias [b_V ; 0 ; M]
-                                 k_pe   = W^K rows permuted to interleaved pairs (+ b_K)
-  kv_a_layernorm      (n,)       2^k on the value dims, 0 elsewhere
-  kv_b_proj           (H·d, n)   per head [k_nope (0 dims) | v (d)]: 0/1 picking group g(h)
-  o_proj              (D, H·d)   W^O, bias b_O (or zero)
-
-- Keys: every R = G·d key dim is a rotary dim (`qk_rope_head_dim = R`,
-  `qk_nope_head_dim = 0`); the shared `k_pe` holds all G groups, and each query head
-  is zero outside its own group's block, so q_h·k_pe = q_h·k_{g(h)}: exact GQA scores.
-- RoPE: DeepSeek rotates its R dims as R/2 interleaved pairs with one inverse
-  frequency per pair. `rope_type: longrope` with `rope_theta: 1` makes that frequency
-  `1 / factor_p` (transformers computes `1/(factor·base^(2p/R))`): the factors are
-  chosen so that, in float32 as transformers computes it, each pair gets exactly the
-  source's own inverse frequency (transformers' rotary class of the family computes
-  them, llama3/yarn/linear/longrope scaling included), repeated for the G groups.
-  The source's cos/sin multiplier (yarn's attention factor) is carried as longrope's
-  `attention_factor`.
-- The latent norm: transformers hard-codes `kv_a_layernorm`'s eps (1e-6) and it cannot
-  be switched off. One latent dim carries the constant bias `M = √n·2^k` (n a perfect
-  square), so mean(latent²) = 2^(2k) to far below float32 rounding, the norm scales by
-  exactly 2^-k and its weight 2^k undoes it: the values pass through unchanged.
-- Query bias (Qwen2, Llama with attention_bias): DeepSeek's `q_proj` has no bias, so
-  the query goes through the q-LoRA path: `q_a_proj` (W^Q + b_Q, with bias) →
-  `q_a_layernorm` (neutralized the same way, `q_lora_rank` a perfect square) →
-  `q_b_proj` (the 0/c placement above).
-- MLP, norms, embeddings pass through (dense MLP in every layer:
-  `first_k_dense_replace = num_hidden_layers`); `lm_head` is written out when the
-  source ties it to the embeddings.
-
-Refused (ConvertError, naming the field and why): architectures without a transformers
-model, sliding windows shorter than the context, MLP biases, sequence-length-dependent
-RoPE (`dynamic`), float16, tensors DeepSeek-V3 has no place for.
-
-Precision (measured, tests/test_target_transformers.py): float32 eager logits match the
-source to ~1e-6 relative (≤ 1.6e-6 measured), bit-identical where √G is a power of two
-(G = 1, 4, …: the query scale c = √G is then exact) and every RoPE frequency is reached.
-Scaled RoPE (linear/llama3/yarn) can leave an inverse frequency 1 ulp off: float32
-`1/f` does not reach every float. float64 is capped at float32 accuracy (~1e-7):
-transformers' DeepseekV3RMSNorm computes in float32, so the value latent is rounded to
-float32 inside `kv_a_layernorm`. bf16: k = 20, exact while the values' RMS < 2^(k-12).
-
-Size: `q_proj` is G times the source's (mostly zeros: DeepSeek has one shared `k_pe`,
-so each head's query spans all G·d rotary dims); the KV cache per token per layer is
-n + G·d = (G·d + 1 rounded up to a square) + G·d values, the source's 2·G·d plus a few.
+Built from the SOURCE GQA weights, not from the native MLA output: every key dim rotary in one
+shared `k_pe`, each query head zero outside its own group's block, RoPE as longrope factors that
+give each interleaved pair the source's own frequency, the latent norms neutralized by a constant.
+`to_deepseek_v3` builds it (tensors and config), `check_exportable` refuses what DeepSeek-V3
+cannot hold exactly; both DeepSeek-V3 targets share the rest (`export_spec`, `pass_through_names`,
+`deepseek_config_fields`, `export_sizes`). The construction tensor by tensor, its precision and
+size: docs/design.md, "Deployment targets".
 """
 
 import math
@@ -58,15 +14,23 @@ import re
 from dataclasses import dataclass
 
 import torch
+from transformers import DeepseekV3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding, yarn_apply_mscale
 
 from convert.arch import AttentionSpec, resolve_attention
 from convert.errors import ConvertError
+from convert.hf import hf_classes, hf_config
+from convert.io.reader import dtype_itemsize
 from convert.linalg.heads import group_of_head
+from convert.options import dtype_name
+from convert.plan import make_plan
+from convert.progress import progress
 from convert.source import StateDictSource, check_layer, read_layer
 from convert.transform import LayerWeights
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
-# k of the latent-norm constant M = √n·2^k, by checkpoint dtype (DESIGN §10).
+# k of the latent-norm constant M = √n·2^k, by checkpoint dtype (docs/design.md, "Deployment targets").
 NORM_EXPONENT = {torch.float32: 40, torch.float64: 40, torch.bfloat16: 20}
 # Source RoPE types whose inverse frequencies are fixed at load time (longrope: two fixed sets).
 EXACT_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -169,10 +133,6 @@ def longrope_factors(inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def source_rope(hf_config, arch: str) -> SourceRope:
     """Inverse frequencies of the source family's own rotary class (transformers' RoPE init)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    from convert.hf import hf_classes
-
     rope_type = hf_config.rope_parameters.get("rope_type", "default")
     if rope_type not in EXACT_ROPE_TYPES:
         why = (
@@ -206,7 +166,7 @@ def _sliding_window_layers(hf_config) -> list[int]:
     return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
 
 
-def _check_exportable(hf_config, dtype: torch.dtype) -> None:
+def check_exportable(hf_config, dtype: torch.dtype) -> None:
     """Refuse, naming the field, what DeepseekV3ForCausalLM cannot hold exactly."""
     sliding = _sliding_window_layers(hf_config)
     if sliding:
@@ -225,7 +185,7 @@ def _check_exportable(hf_config, dtype: torch.dtype) -> None:
         )
 
 
-def _pass_through_names(state_dict: dict, spec: AttentionSpec) -> list[str]:
+def pass_through_names(state_dict: dict, spec: AttentionSpec) -> list[str]:
     """Non-attention tensors, each checked to have a place in DeepseekV3ForCausalLM."""
     attention = {
         spec.tensor(layer, proj, kind)
@@ -343,7 +303,7 @@ def deepseek_rope_parameters(rope: SourceRope, n_kv_heads: int) -> tuple[dict, f
     return params, float(max(short_err.max(), long_err.max()))
 
 
-def _deepseek_config_fields(hf_src, spec: AttentionSpec, geo: DeepseekGeometry, rope_params: dict, dtype) -> dict:
+def deepseek_config_fields(hf_src, spec: AttentionSpec, geo: DeepseekGeometry, rope_params: dict, dtype) -> dict:
     layers = spec.n_layers
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -382,15 +342,12 @@ def _deepseek_config_fields(hf_src, spec: AttentionSpec, geo: DeepseekGeometry, 
         "bos_token_id": hf_src.bos_token_id,
         "eos_token_id": hf_src.eos_token_id,
         "tie_word_embeddings": False,  # lm_head is written out
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype_name(dtype),
     }
 
 
 def _check_installed_rope(config, rope: SourceRope, n_kv_heads: int) -> None:
     """The installed DeepseekV3 rotary gives the source's frequencies: transformers is the truth."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
-
     rotary = DeepseekV3RotaryEmbedding(config)
     long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=rope.original_max_position_embeddings + 1)
     for got, want, which in ((rotary.inv_freq, rope.inv_freq, "short"), (long, rope.long_inv_freq, "long")):
@@ -410,10 +367,10 @@ def _check_installed_rope(config, rope: SourceRope, n_kv_heads: int) -> None:
 # ------------------------------------------------------------------ the export
 
 
-def _as_dtype(dtype) -> torch.dtype | None:
+def as_dtype(dtype) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    found = getattr(torch, str(dtype).removeprefix("torch."), None)
+    found = getattr(torch, dtype_name(dtype), None)
     if not isinstance(found, torch.dtype):
         raise ConvertError(f"dtype {dtype!r} is not a torch dtype; use float32, bfloat16 or float64")
     return found
@@ -446,18 +403,13 @@ def to_deepseek_v3(state_dict: dict[str, torch.Tensor], config, dtype=None) -> t
     ones shared with the input when no cast is needed) and a complete config.json dict
     (`model_type: deepseek_v3`) that stock transformers loads without custom code; its
     `convert_export` entry records the construction. Raises ConvertError for what
-    DeepSeek-V3 cannot hold exactly (module docstring).
+    DeepSeek-V3 cannot hold exactly (docs/design.md, "Deployment targets").
     """
-    from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
-
-    from convert.hf import hf_config
-
     config, source, spec = export_spec(state_dict, config, "transformers")
     hf_src = hf_config(config)  # transformers' own reading of config.json (defaults, legacy rope_scaling)
-    dtype = _as_dtype(dtype) or source.dtype(spec.tensor(0, "q"))
-    _check_exportable(hf_src, dtype)
-    names = _pass_through_names(state_dict, spec)
+    dtype = as_dtype(dtype) or source.dtype(spec.tensor(0, "q"))
+    check_exportable(hf_src, dtype)
+    names = pass_through_names(state_dict, spec)
     for layer in range(spec.n_layers):
         check_layer(source, spec, layer)
 
@@ -476,7 +428,7 @@ def to_deepseek_v3(state_dict: dict[str, torch.Tensor], config, dtype=None) -> t
         norm_exponent=NORM_EXPONENT[dtype],
     )
 
-    fields = _deepseek_config_fields(hf_src, spec, geo, rope_params, dtype)
+    fields = deepseek_config_fields(hf_src, spec, geo, rope_params, dtype)
     ds_config = DeepseekV3Config(**fields)
     _check_installed_rope(ds_config, rope, spec.n_kv_heads)
 
@@ -501,3 +453,41 @@ def to_deepseek_v3(state_dict: dict[str, torch.Tensor], config, dtype=None) -> t
         "kv_cache_dims_per_token_per_layer": geo.kv_lora_rank + rope_dim,
     }
     return out, result
+
+
+# ------------------------------------------------------------------ shared by the DeepSeek-V3 targets
+
+
+def check_deepseek(spec: AttentionSpec, target: str) -> None:
+    """Refuse what a DeepSeek-V3 target cannot write for this source: q/k norms, fused MLPs."""
+    if spec.qk_norm is not None:
+        raise ConvertError(
+            f"--target {target}: DeepSeek-V3 has no q/k norm, so a {spec.arch.name} model (q/k norm) cannot be "
+            "written for it exactly; use --target mla (the default), which runs the norms on the latent"
+        )
+    if spec.arch.fused_qkv is not None:
+        raise ConvertError(
+            f"--target {target} writes DeepSeek-V3's MLP (gate_proj, up_proj), and {spec.arch.name}'s fused "
+            "gate_up_proj is not split for it; use --target mla (the default), which keeps the MLP as it is"
+        )
+
+
+def exporting(tensors, total: int, enabled: bool):
+    """An export's (name, tensor) stream, contiguous, with its progress bar or log lines."""
+    for name, tensor in progress(tensors, "exporting", "tensor", enabled, total=total):
+        yield name, tensor.contiguous()
+
+
+def export_sizes(source, spec: AttentionSpec, opts, layout: dict, config: dict) -> dict:
+    """Attention parameters and the KV cache per token (what a DeepSeek-V3 MLA runtime
+    caches: latent + rotary key), before and after, in the checkpoint's dtype."""
+    source_plan = make_plan(source, spec, opts)  # headers only
+    after_params = sum(math.prod(shape) for name, (shape, _) in layout.items() if ".self_attn." in name)
+    after_dims = config["num_hidden_layers"] * config["convert_export"]["kv_cache_dims_per_token_per_layer"]
+    size = dtype_itemsize(source_plan.dtype)
+    return source_plan.sizes() | {
+        "attention_params_after": after_params,
+        "attention_bytes_after": after_params * size,
+        "kv_cache_dims_per_token_after": after_dims,
+        "kv_cache_bytes_per_token_after": after_dims * size,
+    }

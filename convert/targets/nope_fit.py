@@ -1,26 +1,15 @@
-"""The position-free stand-in for the rotations the vllm target cannot keep (DESIGN §10).
+"""The position-free stand-in for the rotations the vllm target cannot keep.
 
-For G > 1 key heads, per frequency j the vllm export keeps one mixture k0_j = u_jᵀk of the G
-heads' rotary pairs rotary; the remainder r_g = ((I - u uᵀ) k)_g (a 2-vector per group and
-frequency) becomes position-free: head h's score term q_jᵀ R(-θ_j Δ) r_j (Δ = m - n, the query's
-position minus the key's) must be replaced by what the export can compute. Keeping it unrotated
-(q_jᵀ r_j) is right only at Δ = 0. Here each head's whole position-free score
-
-    t(m, n) = Σ_j q_j(m)ᵀ R(-θ_j (m - n)) r_j(n)
-
-is fitted by two fixed maps per frequency of the rotation's form [[α, β], [-β, α]] (which
-commute with R): one on the position-free terms, α_j q_j·r_j + β_j q_j×r_j, and one added to
-the rotary query, α'_j q_j·R k0_j + β'_j q_j×R k0_j — the rotary key rotates exactly, and
-carries what of the remainder is correlated with it. All frequencies of a head are fitted
-together (errors of different frequencies add, or cancel, in the softmax), by least squares over
-(query, key) pairs of the calibration text drawn from the original model's attention
-probabilities P(m, ·): `SAMPLES` keys per query, a seeded draw — in expectation the P-weighted
-fit over all pairs, at a fraction of its cost. SmolLM2, dev text (bench/vllm_variants.py):
-perplexity ×1.05, against ×1.36 unrotated; the position-free map alone, each frequency fitted on
-its own, measured ×1.16 (commit 7d92623), fitted jointly ×1.13 (commit 08b3c6c).
+The vllm export keeps one rotary mixture of the G key heads per frequency; the remainder of each
+key loses its rotation. Here each head's position-free score is fitted by two fixed 2×2 maps per
+frequency of the rotation's form (one on the position-free terms, one added to the rotary query),
+by least squares over (query, key) pairs of the calibration text drawn from the original model's
+attention probabilities (`SAMPLES` keys per query): `fit_normal_equations`, `fit_rotation_stand_in`.
+The derivation: docs/design.md, "Deployment targets".
 """
 
 import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 SAMPLES = 32  # keys drawn per query (bench/vllm_variants.py compares 16)
 
@@ -172,8 +161,6 @@ def rotary_coefficients(u: torch.Tensor, groups: torch.Tensor, n_kv_heads: int) 
 def attention_probabilities(attention: torch.nn.Module, x: torch.Tensor, rotary, mask) -> torch.Tensor:
     """The probabilities (B, H, L, L) of transformers' attention module `attention` (Llama
     family: q_proj, k_proj, `scaling`) on its normed input x (B, L, D), as its eager path."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
-
     B, L, _ = x.shape
     head_dim = attention.head_dim
     q = attention.q_proj(x).view(B, L, -1, head_dim).transpose(1, 2)  # (B, H, L, d)

@@ -1,67 +1,48 @@
-"""A DeepSeek-V3 checkpoint in the one shape vLLM's MLA kernels serve (DESIGN §10, target `vllm`).
+"""A DeepSeek-V3 checkpoint in the one shape vLLM's MLA kernels serve (target `vllm`).
 
-vLLM's MLA takes `kv_lora_rank` 512 + `qk_rope_head_dim` 64 (576 cached values per token
-per layer), one `k_pe` of 64 rotary dims shared by every head, interleaved RoPE with one
-frequency set, no attention biases. Per layer, with H query heads, G key/value groups,
-head dim d = 64·f, hidden D:
-
-  q_proj              (H·(d+64), D)     head h: [q_nope (d) | q_pe (64)], × the softmax-scale ratio c
-  kv_a_proj_with_mqa  (512 + 64, D)     [latent: down (r) | 0 ; k_pe (64)]
-  kv_a_layernorm      (512,)            2^20 (the norm is linear, see below)
-  kv_b_proj           (H·2d, 512)       head h: [its group's position-free key (d) | its group's value (d)]
-  o_proj              (D, H·d)          W^O × s
-
-- RoPE across groups (RoRoPE, as TransMLA) and folded frequencies (FreqFold): vLLM's slot s
-  turns at the source's θ_{s·f}; its G·f components are the G key heads' pairs s·f + i, i < f
-  (f = 1 for d = 64, 2 for d = 128). The rotary key k_pe's slot s is one unit mixture
-  u_sᵀk of them (`rotary_directions`, chosen on the calibration text to keep the most
-  query-weighted score energy); head h's q_pe gets the coefficient u_s[g(h)·f + i] of each of
-  its pairs. For f = 1 rotation commutes with the mixing (exact for G = 1); a folded pair
-  i > 0 turns at θ_{s·f} instead of its own θ_{s·f+i}. What is left of each key,
-  r = k − u u_sᵀk, loses its rotation: it is position-free, in the latent.
-- In place of the dropped rotation R(-θ_j Δ), head h's NoPE query carries a fixed 2×2
-  stand-in [[α_j, β_j], [-β_j, α_j]] per pair, and its rotary query gains a map of the same
-  form on its own pairs (the rotary key carries what of the remainder is correlated with it,
-  and what turning at a folded frequency misses), all of a head's fitted together to its
-  score on the calibration text, by least squares over (query, key) pairs drawn from the
-  original's attention probabilities (`convert.targets.nope_fit`, gathered in the calibration
-  pass by `rotation_fit_observer`); without calibration the terms stay unrotated. SmolLM2
-  dev-text perplexity: ×1.05 fitted, ×1.36 unrotated (bench/vllm_variants.py).
-- The latent: the G groups' remainders r (64·(G·f − 1) dims) and values (G·d) factored
-  together, down (r, D) and up (2·G·d, r) (`latent_factor`); exact while they fit in 512
-  (SmolLM2: 320), otherwise (7B+: Mistral-7B needs 1,984) compressed with the compression
-  module's weighted factorization (Fisher-weighted, in loss units, when the stats carry it).
-- The latent norm: `rms_norm_eps` = 2^40 makes RMSNorm of the O(1) latent linear (×2^-20,
-  undone by its weight 2^20); the residual stream is scaled by s = sqrt(2^40 / eps_source)
-  (embeddings, o_proj, down_proj × s), so every other norm sees exactly the source's eps and
-  the final norm leaves lm_head's input unchanged. transformers' DeepseekV3 hard-codes that
-  norm's eps to 1e-6: `match_vllm_norms(model)` sets it to the config's before comparing.
-
-Refused (ConvertError, before any work): attention biases (vLLM loads none), RoPE types
-other than `default` (vLLM rewrites them to DeepSeek-YaRN), head_dim not a multiple of 64,
-more than one key pair per rotary slot without calibration statistics, float16 (the scaled
-residual overflows).
+vLLM's MLA takes `kv_lora_rank` 512 + `qk_rope_head_dim` 64: one `k_pe` of 64 rotary dims shared by
+every head, one frequency set, no attention biases. Per rotary slot the key heads' pairs are mixed
+into `k_pe` (`rotary_directions`); the rest of each key loses its rotation, stood in for by fitted
+maps (`convert.targets.nope_fit`, via `rotation_fit_observer`), and shares the latent with the values
+(`latent_factor`); the latent norm is made linear. `to_vllm_deepseek` / `vllm_export` build it,
+`check_vllm_exportable` refuses what vLLM would serve wrongly, `match_vllm_norms` fixes transformers'
+latent-norm eps. The construction tensor by tensor: docs/design.md, "Deployment targets".
 """
 
 import math
 from dataclasses import dataclass
 
 import torch
+from transformers import DeepseekV3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
+from convert import compress
 from convert.arch import AttentionSpec
-from convert.compress.weights import _ridge
+from convert.compress.sequential import SequentialCalibration
+from convert.compress.weights import ridge
 from convert.errors import ConvertError
+from convert.hf import build_causal_lm, hf_config, load_pretrained, load_strict
+from convert.io.reader import dtype_itemsize
+from convert.layouts import attention_view
 from convert.linalg.factor import Factor
 from convert.linalg.heads import group_of_head
 from convert.linalg.weighted import psd_sqrt, weighted_factor
-from convert.source import StateDictSource, check_layer, read_layer
+from convert.plan import resolve_spec
+from convert.progress import progress
+from convert.source import LazyTensors, StateDictSource, check_layer, read_layer
+from convert.targets import Build
 from convert.targets.deepseek import (
-    _as_dtype,
-    _check_exportable,
-    _deepseek_config_fields,
-    _pass_through_names,
+    as_dtype,
+    check_deepseek,
+    check_exportable,
+    deepseek_config_fields,
+    export_sizes,
     export_spec,
+    exporting,
+    pass_through_names,
 )
+from convert.targets.mla import calibration_ids
 from convert.targets.nope_fit import (
     SAMPLES,
     additive_mask,
@@ -203,7 +184,7 @@ def latent_factor(
     row_weight = None
     if getattr(layer_stats, "key_fisher", None) is not None:
         row_weight = torch.block_diag(
-            psd_sqrt(_ridge(layer_stats.key_fisher.double())), psd_sqrt(_ridge(layer_stats.value_fisher.double()))
+            psd_sqrt(ridge(layer_stats.key_fisher.double())), psd_sqrt(ridge(layer_stats.value_fisher.double()))
         )
     if inputs is not None:
         return weighted_factor(content, rank, row_weight, moment=inputs.moment, cross=inputs.cross), True
@@ -345,8 +326,6 @@ def rope_frequencies(hf_src, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]
     """(θ_j the source turns pair j by, θ'_j vLLM turns pair j's rotary key by), each (d/2,)
     float64, as transformers computes them (the source's rotary embedding; DeepseekV3's on the
     export's `rope_parameters`, slot s = pair j // f)."""
-    from transformers import DeepseekV3Config
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     def init(config) -> torch.Tensor:
         rope_type = config.rope_parameters.get("rope_type", "default")
@@ -416,8 +395,6 @@ def rotation_fit_observer(source, spec: AttentionSpec, config, samples: int = SA
     the layer's rotary directions from the moment just gathered, `samples` keys per query drawn
     from the original's attention probabilities (seeded by the layer index: the same every run).
     source: the in-memory source of `resolve_vllm_spec`."""
-    from convert.hf import hf_config
-
     H, G, d = spec.n_heads, spec.n_kv_heads, spec.head_dim
     inv_freq, rotary_freq = rope_frequencies(hf_config(config), d)  # (d/2,) each: slot s turns at θ'_s
     groups = group_of_head(H, G, spec.head_map)  # (H,)
@@ -471,8 +448,8 @@ def to_vllm_deepseek(
     latent is then factored for the inputs the export's own layers give it (GPTQ's order).
 
     Returns (state_dict, config_dict) with `model_type: deepseek_v3`. Exact for G = 1, d = 64;
-    otherwise lossy by construction (module docstring): only 64 rotary key dims. Raises
-    ConvertError for what vLLM would serve wrongly (module docstring). `vllm_export` gives the
+    otherwise lossy by construction (docs/design.md, "Deployment targets"): only 64 rotary key dims. Raises
+    ConvertError for what vLLM would serve wrongly (docs/design.md, "Deployment targets"). `vllm_export` gives the
     same a tensor at a time.
     """
     _, config, tensors = vllm_export(state_dict, config, stats, dtype, stand_in, span, rank, sequential)
@@ -496,25 +473,21 @@ def vllm_export(
     names to tensors (`LazyTensors` reads each from a checkpoint when asked): one decoder
     layer's tensors are in memory at a time, besides what the caller keeps of those it is given.
     """
-    from transformers import DeepseekV3Config
-
-    from convert.hf import hf_config
-
     config, source, spec = resolve_vllm_spec(state_dict, config)
     hf_src = hf_config(config)
-    dtype = _as_dtype(dtype) or source.dtype(spec.tensor(0, "q"))
+    dtype = as_dtype(dtype) or source.dtype(spec.tensor(0, "q"))
     check_vllm_exportable(config, spec, source, dtype, stats is not None)
-    _check_exportable(hf_src, dtype if dtype != torch.float16 else torch.float32)
+    check_exportable(hf_src, dtype if dtype != torch.float16 else torch.float32)
     if not 0 < rank <= KV_LORA_RANK:
         raise ValueError(f"rank {rank}: the latent holds 1 to {KV_LORA_RANK} dims")
-    names = _pass_through_names(state_dict, spec)
+    names = pass_through_names(state_dict, spec)
     for layer in range(spec.n_layers):
         check_layer(source, spec, layer)
 
     geo = vllm_geometry(spec)
     q_scale = spec.softmax_scale * math.sqrt(geo["nope"] + geo["rope"])  # DeepSeek's scale is 1/sqrt(nope + rope)
     s = math.sqrt(NORM_EPS / hf_src.rms_norm_eps)
-    fields = _deepseek_config_fields(hf_src, spec, _Geo(spec, geo), {}, dtype)
+    fields = deepseek_config_fields(hf_src, spec, _Geo(spec, geo), {}, dtype)
     fields |= {
         "kv_lora_rank": KV_LORA_RANK,
         "qk_rope_head_dim": ROPE_DIM,
@@ -649,8 +622,6 @@ class SequentialLatents:
     values. One decoder layer in memory, plus both streams' hidden states."""
 
     def __init__(self, checkpoint, config: dict, token_ids: torch.Tensor):
-        from convert.compress.sequential import SequentialCalibration
-
         self.calibration = SequentialCalibration(checkpoint, config, token_ids)
 
     def stats(self, layer: int):
@@ -669,12 +640,6 @@ class ExportAttention(torch.nn.Module):
     its output ÷ s (o_proj carries the residual scale; the source's stream is unscaled)."""
 
     def __init__(self, export_config: dict, layer: int, tensors: dict[str, torch.Tensor], s: float):
-        from transformers import DeepseekV3Config
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-            DeepseekV3Attention,
-            DeepseekV3RotaryEmbedding,
-        )
-
         super().__init__()
         config = DeepseekV3Config.from_dict({k: v for k, v in export_config.items() if k != "convert_export"})
         config._attn_implementation = "eager"
@@ -695,7 +660,7 @@ class ExportAttention(torch.nn.Module):
 
 
 class _Geo:
-    """What `_deepseek_config_fields` reads of a geometry."""
+    """What `deepseek_config_fields` reads of a geometry."""
 
     def __init__(self, spec: AttentionSpec, geo: dict):
         self.n_heads, self.q_lora_rank, self.kv_lora_rank = spec.n_heads, None, KV_LORA_RANK
@@ -717,3 +682,148 @@ def _set_latent_norm_eps(attention: torch.nn.Module, eps: float) -> None:
     """A DeepseekV3Attention's `kv_a_layernorm` eps (transformers names it variance_epsilon)."""
     norm = attention.kv_a_layernorm
     setattr(norm, "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps", eps)
+
+
+# ------------------------------------------------------------------ the target's interface (convert.targets)
+
+NAME = "vllm"
+#: What other runtimes make of this output.
+FOREIGN = (
+    "stock transformers loads it as a DeepseekV3ForCausalLM but computes ANOTHER model: its latent norm "
+    "hard-codes eps 1e-6 where vLLM honours the export's rms_norm_eps (2^40, a linear latent norm); call "
+    "convert.targets.vllm.match_vllm_norms(model) after from_pretrained, or load it with convert.verify.load_export"
+)
+#: How the vllm target's compressed latent is calibrated unless --calibration says: original measured
+#: better at 75% and 25% of the latent's need on SmolLM2, sequential at 50% (bench/vllm_latent.py).
+VLLM_CALIBRATION = "original"
+
+
+def check(spec: AttentionSpec, opts) -> None:
+    """What DeepSeek-V3's dense layers cannot hold (q/k norms, fused MLPs); vLLM's own limits are
+    checked with the export's geometry (`check_vllm_exportable`)."""
+    check_deepseek(spec, NAME)
+
+
+def build(source, opts) -> Build:
+    """The export's tensors, read from the source a tensor at a time as they are written, calibrated
+    on --calib when there is more than one key/value head. Every refusal comes before calibration."""
+    spec = resolve_spec(source, source.config, opts)  # the same checks and refusals as the mla target
+    check(spec, opts)
+    layout, config, tensors = export_tensors(source, LazyTensors(source), opts)
+    return Build(
+        layout=layout,
+        copied=[],
+        tensors=exporting(tensors, len(layout), opts.progress),
+        config=lambda: config,
+        notes=lambda: [
+            note(config["convert_export"]),
+            f"opened elsewhere: {FOREIGN}",
+        ],  # complete once every tensor is written
+        sizes=lambda: export_sizes(source, spec, opts, layout, config),
+        metadata={"format": "pt"},
+        options=opts,
+    )
+
+
+def model(state: dict, config: dict, opts, dtype: torch.dtype, device):
+    """`to_mla(target="vllm")`: the export as transformers' DeepseekV3ForCausalLM with vLLM's
+    latent-norm eps (`match_vllm_norms`), in memory."""
+    source = attention_view(StateDictSource(state, config), config)
+    check(resolve_spec(source, config, opts), opts)  # the same refusals as a conversion
+    _, export_config, tensors = export_tensors(source, state, opts)
+    export = build_causal_lm(export_config, dtype, device=device)
+    load_strict(export, dict(tensors), f"the --target {NAME} export")
+    match_vllm_norms(export)
+    return export.eval()
+
+
+def load(path, device, dtype):
+    """The export as transformers loads it, with vLLM's latent-norm eps: the model vLLM serves."""
+    model = load_pretrained(path, device, dtype)
+    match_vllm_norms(model)
+    return model
+
+
+def export_tensors(source, state_dict, opts):
+    """The vllm export of `source` (a checkpoint or an in-memory source) as `vllm_export` gives it:
+    (layout, config_dict, an iterator of (name, tensor)), calibrated on --calib when given.
+    state_dict: the source's tensors by name (read lazily from a checkpoint)."""
+    config, src_view, spec = resolve_vllm_spec(state_dict, source.config or {})
+    dtype = src_view.dtype(spec.tensor(0, "q"))
+    check_vllm_exportable(config, spec, src_view, dtype, opts.calib is not None or not needs_calibration(spec, config))
+    lossy = needs_calibration(spec, config) or needs_compression(spec, config["hidden_size"])
+    if lossy and opts.verify and (opts.text is None or opts.max_ppl_ratio is None):
+        raise ConvertError(
+            "--target vllm is lossy for this model (vLLM rotates 64 key dims shared by all heads at one frequency "
+            "set): verification judges it by perplexity on real text, so pass --text FILE (a text unlike --calib) "
+            "and --max-ppl-ratio R (e.g. 1.1), or --no-verify"
+        )
+    stats = sequential = None
+    if opts.calib is not None:
+        ids = calibration_ids(source, opts)
+        bar = lambda items: progress(items, "calibrating", "layer", opts.progress)  # noqa: E731
+        observe = rotation_fit_observer(src_view, spec, config) if needs_calibration(spec, config) else None
+        stats = compress.calibrate(source, config, ids, spec.n_layers, progress=bar, observe=observe)
+        if needs_compression(spec, config["hidden_size"]):  # the latent is compressed: weigh it in loss units
+            fisher_bar = lambda items: progress(items, "fisher statistics", "layer", opts.progress)  # noqa: E731
+            fisher = compress.fisher_calibrate_streamed(source, config, ids, spec.n_layers, progress=fisher_bar)
+            for layer_stats, layer_fisher in zip(stats, fisher):
+                layer_stats.key_fisher, layer_stats.value_fisher = layer_fisher.key_fisher, layer_fisher.value_fisher
+            if (opts.calibration or VLLM_CALIBRATION) == "sequential":
+                sequential = SequentialLatents(getattr(source, "module_source", source), config, ids)
+    return vllm_export(state_dict, config, stats, sequential=sequential)
+
+
+def report(export: dict, e2e: dict | None, ckpt_dtype: torch.dtype) -> dict:
+    """The report's section: the cache in vLLM against the original's, and where it is lossy."""
+    size = dtype_itemsize(ckpt_dtype)
+    layers = len(export["rotary_key_energy_kept"])
+    return {
+        "name": NAME,
+        "exact": export["exact"],
+        "cache_values_per_token_per_layer": export["kv_cache_dims_per_token_per_layer"],
+        "gqa_cache_values_per_token_per_layer": export["gqa_cache_dims_per_token_per_layer"],
+        "cache_bytes_per_token": export["kv_cache_dims_per_token_per_layer"] * size * layers,
+        "gqa_cache_bytes_per_token": export["gqa_cache_dims_per_token_per_layer"] * size * layers,
+        "perplexity_ratio": (e2e or {}).get("ppl_ratio"),
+        "note": note(export),
+    }
+
+
+def note(info: dict) -> str:
+    """What the vllm target keeps and loses, in one paragraph (report and result notes)."""
+    G, d = info["n_kv_heads"], info["head_dim"]
+    cache, gqa = info["kv_cache_dims_per_token_per_layer"], info["gqa_cache_dims_per_token_per_layer"]
+    size = "LARGER than" if cache > gqa else "smaller than"
+    text = (
+        f"DeepseekV3ForCausalLM for vLLM's MLA: {cache} cached values per token per layer, {size} the original GQA "
+        f"cache ({gqa} = 2·{G}·{d}); the saving comes at 7B+ (Llama-3-8B: 2048 -> 576). "
+    )
+    if info["exact"]:
+        return text + "Exact: one key/value head of head_dim 64 fits vLLM's 64 shared rotary dims."
+    kept = [e for e in info["rotary_key_energy_kept"] if e is not None]
+    share = f" (they carry {100 * sum(kept) / len(kept):.1f}% of the key energy)" if kept else ""
+    stand_in = {
+        "fit": " and replaced by fixed 2x2 maps per head and frequency, on those terms and on the rotary query, "
+        "fitted on the calibration text (least squares on key samples drawn from the attention)",
+        "nope": " (the terms kept unrotated)",
+    }.get(info.get("position_free_terms"), f" (stand-in: {info.get('position_free_terms')})")
+    f = info.get("frequency_fold", 1)
+    components = f"{G} key heads' rotary pairs" if f == 1 else f"{G} key heads' {f} folded frequency pairs"
+    folded = (
+        f"; head_dim {d} folds {f} source frequencies into each of vLLM's 32 (the others turn at the slot's)"
+        if f > 1
+        else ""
+    )
+    latent = ""
+    if info.get("latent_compressed"):
+        latent = (
+            f" The latent is COMPRESSED: the position-free keys and values need {info['latent_content_dims']} dims, "
+            f"vLLM holds {info['latent_dims_used']} ({info['latent_weighting']}-weighted factorization)."
+        )
+    return text + (
+        f"LOSSY: vLLM rotates only 64 key dims shared by all heads, one frequency set{folded}; of the {components} "
+        f"per rotary slot the principal mixture stays rotary{share}, the other {G * f - 1} become position-free "
+        f"(NoPE) dims in the latent, their rotation dropped{stand_in}.{latent} Compare with transformers' "
+        "DeepseekV3 after convert.targets.vllm.match_vllm_norms(model)."
+    )

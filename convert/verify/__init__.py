@@ -2,7 +2,7 @@
 
 `verify_paths(original, converted, **options)` returns the report (a dict, see
 `convert.verify.report` for its schema); `write_report` writes it as JSON,
-Markdown and a PNG. DESIGN §8 is the contract.
+Markdown and a PNG. docs/design.md, "Verification", is the contract.
 """
 
 import hashlib
@@ -13,7 +13,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import transformers
 
+from convert._version import __version__
 from convert.errors import ConvertError
 from convert.heap import release_freed_memory
 from convert.hf import source_fields
@@ -31,6 +33,7 @@ from convert.plan import (
     whole_model_memory_bytes,
 )
 from convert.progress import progress
+from convert.targets import load_output, output_target
 from convert.text import model_tokenizer, text_token_ids
 from convert.verify.e2e import end_to_end, greedy_in_turn, streamed_end_to_end
 from convert.verify.layers import LayerRun, check_hf_layers, check_seed_layers
@@ -53,10 +56,6 @@ def _files(checkpoint) -> dict:
 
 
 def _versions() -> dict:
-    import transformers
-
-    from convert._version import __version__
-
     return {
         "convert": __version__,
         "torch": torch.__version__,
@@ -236,39 +235,16 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
         with timings("checksums"):
             inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(opts.text, ids)}
     report = _report(opts, dtype, [], e2e, None, limits, inputs, timings.close())
-    if export.get("target") == "vllm":
-        report["target"] = _vllm_section(export, e2e, ckpt_dtype)
+    section = output_target(conv.config or {}).report(export, e2e, ckpt_dtype)
+    if section is not None:
+        report["target"] = section
     return report
 
 
-def load_export(path, export: dict, device, dtype):
-    """An export as stock transformers loads it; a vllm export with vLLM's latent-norm eps."""
-    from convert.hf import load_pretrained
-
-    model = load_pretrained(path, device, dtype)
-    if export.get("target") == "vllm":
-        from convert.targets.vllm import match_vllm_norms
-
-        match_vllm_norms(model)
-    return model
-
-
-def _vllm_section(export: dict, e2e: dict | None, ckpt_dtype: torch.dtype) -> dict:
-    """The vllm target's cache in vLLM against the original's, and where it is lossy."""
-    from convert.api import vllm_note
-
-    size = torch.empty((), dtype=ckpt_dtype).element_size()
-    layers = len(export["rotary_key_energy_kept"])
-    return {
-        "name": "vllm",
-        "exact": export["exact"],
-        "cache_values_per_token_per_layer": export["kv_cache_dims_per_token_per_layer"],
-        "gqa_cache_values_per_token_per_layer": export["gqa_cache_dims_per_token_per_layer"],
-        "cache_bytes_per_token": export["kv_cache_dims_per_token_per_layer"] * size * layers,
-        "gqa_cache_bytes_per_token": export["gqa_cache_dims_per_token_per_layer"] * size * layers,
-        "perplexity_ratio": (e2e or {}).get("ppl_ratio"),
-        "note": vllm_note(export),
-    }
+def load_export(path, export: dict | None = None, device="cpu", dtype=None):
+    """An export as the runtime it was made for computes it (`convert.targets.load_output`): stock
+    transformers, a vllm export with vLLM's latent-norm eps. `export` is accepted for older callers."""
+    return load_output(path, device, dtype)
 
 
 def _report(opts: VerifyOptions, run_dtype, layers, e2e, skipped, limits, inputs, timings, extra_checks=()) -> dict:

@@ -8,6 +8,7 @@ from convert.hf import load_original
 from convert.io import Checkpoint
 from convert.mla.model import cache_bytes_per_token, load_mla_model
 from convert.options import dtype_name
+from convert.verify import streamed
 
 GREEDY_PROMPT, GREEDY_NEW = 8, 32
 
@@ -160,8 +161,6 @@ def streamed_end_to_end(
     (`convert.verify.streamed`). Greedy generation needs a whole model with a KV cache:
     `greedy` holds the tokens of `greedy_in_turn` when it ran, else `greedy_skipped` says `why`; with
     `twin`, the twin runs as a third stream and its figures are the `floor`."""
-    from convert.verify import streamed
-
     greedy_ref, greedy_got, greedy_dtype = greedy or (None, None, None)
     result = streamed.compare_streamed(original, converted, config, ids.to(device), device, dtype, twin=twin)
     cache_original, cache_converted = streamed.cache_bytes_per_token(config, ckpt_dtype)

@@ -49,7 +49,7 @@ def _mla_module(run: LayerRun, layer: int, rotary=None) -> MLAAttention:
 
 
 def check_hf_layers(run: LayerRun, token_ids: torch.Tensor | None, n_tokens: int, progress) -> list[dict]:
-    """Per-layer errors of a transformers architecture (Llama, Mistral, Qwen2)."""
+    """Per-layer errors of a transformers family (every registered family but the seed's notation)."""
     stream = LayerStream(run.original, run.config, run.device, run.dtype)
     results = []
 

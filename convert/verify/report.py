@@ -1,33 +1,43 @@
 """The verification report: thresholds, verdict, JSON (data first) and Markdown.
 
-Schema `convert.verification/1` (verification.json):
-  verdict            "PASS" | "FAIL"
-  decision           {verdict, rule: which rule decided (exact: round-off bounds, or in half precision the
-                      noise floor; lossy: --max-ppl-ratio), checks: [{name, value, bound, ok, failure,
-                      over (value / bound, or null)}], failures}
-  failures           [str]: one line each, naming the layer or metric
-  thresholds         {dtype, noise_floor (bool), floor_factor, layer_rel_error, logits_rel_error, ppl_rel_diff,
-                      top1_agreement (the fixed bounds; null under the noise floor), max_ppl_ratio}
-  layers             [{layer, rel_error, max_abs_error, floor_rel_error, floor_max_abs_error (the twin's, or
-                      null), ranks, retained_energy, factor_error}]
-  end_to_end         {tokens, logits_max_abs_diff, logits_rel_error, kl_mean, kl_max, top1_agreement,
-                      ppl_original, ppl_converted, ppl_ratio, nll_abs_diff_mean, floor (the twin's same
-                      figures, or absent), greedy_original, greedy_converted,
-                      greedy_match, greedy_prompt_text, greedy_text_{original,converted} (null without a tokenizer),
-                      kv_cache_bytes_per_token_{original,converted} (in kv_cache_dtype, the checkpoint's),
-                      params_{original,converted}, mode (whole | streamed),
-                      greedy_dtype (the greedy run's: whole, the run's dtype; auto, float32 unless --dtype),
-                      greedy_skipped (null, or why: greedy_* are then null)}
-                     or null, with end_to_end_skipped: reason
-  inputs             {original: {path, files: {name: sha256}}, converted: {…}, text: {path, sha256, tokens} | null}
-  options, versions  {convert, torch, transformers, python}, device {type, name}, dtype, timings {…_s}
+`thresholds` sets a run's bounds; `decide` gives the verdict, the rule that decided it (round-off
+bounds; in half precision the noise floor of `convert.verify.twin`; --max-ppl-ratio when lossy) and
+every figure against its bound; `write_report` writes verification.json (its schema below),
+verification.md (`render_markdown`) and verification_layers.png (`plot_layers`).
 """
+
+# Schema `convert.verification/1` (verification.json):
+#   schema             "convert.verification/1"
+#   verdict            "PASS" | "FAIL"
+#   decision           {verdict, rule: which rule decided (exact: round-off bounds, or in half precision the
+#                       noise floor; lossy: --max-ppl-ratio), checks: [{name, value, bound, ok, failure,
+#                       over (value / bound, or null)}], failures}
+#   failures           [str]: one line each, naming the layer or metric
+#   thresholds         {dtype, noise_floor (bool), floor_factor, layer_rel_error, logits_rel_error, ppl_rel_diff,
+#                       top1_agreement (the fixed bounds; null under the noise floor), max_ppl_ratio}
+#   layers             [{layer, rel_error, max_abs_error, floor_rel_error, floor_max_abs_error (the twin's, or
+#                       null), ranks, retained_energy, factor_error}]
+#   end_to_end         {tokens, logits_max_abs_diff, logits_rel_error, kl_mean, kl_max, top1_agreement,
+#                       ppl_original, ppl_converted, ppl_ratio, nll_abs_diff_mean, floor (the twin's same
+#                       figures, or absent), greedy_original, greedy_converted,
+#                       greedy_match, greedy_prompt_text, greedy_text_{original,converted} (null without a tokenizer),
+#                       kv_cache_bytes_per_token_{original,converted} (in kv_cache_dtype, the checkpoint's),
+#                       params_{original,converted}, mode (whole | streamed),
+#                       greedy_dtype (the greedy run's: whole, the run's dtype; auto, float32 unless --dtype),
+#                       greedy_skipped (null, or why: greedy_* are then null)}
+#                      or null, with end_to_end_skipped: reason
+#   inputs             {original: {path, files: {name: sha256}}, converted: {…}, text: {path, sha256, tokens} | null}
+#   options, versions  {convert, torch, transformers, python}, device {type, name}, dtype, timings {…_s}
+#   target             the vllm export's section (cache sizes, perplexity ratio, note), only for --target vllm
+#   plot               whether verification_layers.png was written (matplotlib present)
 
 import json
 import math
 from pathlib import Path
 
 import torch
+
+from convert.options import dtype_name
 
 # Relative error of an exact conversion's layer output, by the coarsest dtype
 # involved (the checkpoint's or the run's): round-off of that dtype, not a fit.
@@ -36,7 +46,7 @@ E2E_FACTOR = 10  # logits and perplexity accumulate every layer's round-off
 MIN_TOP1 = 0.999
 # Half precision: no fixed bound fits (docs/design.md, "Verification"). An exact conversion is held to
 # FLOOR_FACTOR times the error of the original's equivalent twin (`convert.verify.twin`), measured in
-# the same run on the same inputs: exact conversions of SmolLM2 measure at most 2.6 times it per layer.
+# the same run on the same inputs (bench/bf16_verdicts.py measures how far exact conversions sit below it).
 HALF = ("float16", "bfloat16")
 FLOOR_FACTOR = 4
 
@@ -44,7 +54,7 @@ FLOOR_FACTOR = 4
 def coarsest(*dtypes: torch.dtype) -> str:
     """The name of the least precise dtype among `dtypes`."""
     worst = max(dtypes, key=lambda d: torch.finfo(d).eps)
-    return str(worst).removeprefix("torch.")
+    return dtype_name(worst)
 
 
 def thresholds(dtype_name: str, max_ppl_ratio: float | None) -> dict:
@@ -363,11 +373,11 @@ def _greedy_lines(e2e: dict) -> list[str]:
 def plot_layers(report: dict, path: Path) -> bool:
     """Per-layer relative error against the threshold, as a PNG. False if matplotlib is missing."""
     try:
-        import matplotlib
+        import matplotlib  # optional and heavy: only the PNG plot needs it (without it the report has no plot)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
+        import matplotlib.pyplot as plt  # deferred: the Agg backend must be chosen before pyplot is imported
+        import matplotlib.ticker  # optional: only the plot needs it, as above
     except ImportError:
         return False
     if not report["layers"]:

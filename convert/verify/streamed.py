@@ -17,6 +17,7 @@ import torch
 from convert.arch import ARCHS
 from convert.heap import release_freed_memory
 from convert.io import Checkpoint
+from convert.io.reader import dtype_itemsize
 from convert.layouts import module_layout
 from convert.mla.attention import build_mla_attention
 from convert.stream import LayerStream, embedding_rows, materialize
@@ -246,7 +247,7 @@ def cache_bytes_per_token(config: dict, ckpt_dtype: torch.dtype) -> tuple[float,
     """(original, converted) KV-cache bytes per token, in `ckpt_dtype`, from the configs: what
     `convert.mla.model.cache_bytes_per_token` measures on the whole models (tests check so)."""
     mla = config["mla"]
-    size = torch.empty((), dtype=ckpt_dtype).element_size()
+    size = dtype_itemsize(ckpt_dtype)
     original = mla["n_layers"] * 2 * mla["n_kv_heads"] * mla["head_dim"] * size
     converted = 0
     positions = mla["layout"] == "factored" and mla["rope"] is not None

@@ -1,4 +1,4 @@
-"""What `convert` may delete, replace or leave behind (DESIGN §7, README "Output format").
+"""What `convert` may delete, replace or leave behind (DESIGN §7, docs/design.md "Output format").
 
 - It deletes or replaces only what it wrote: an output directory with a
   `.convert-manifest.json` listing every file in it. The input, its ancestors

@@ -13,6 +13,8 @@ import convert.verify
 from convert.cli import main
 from convert.options import ConvertOptions, VerifyOptions
 
+from conftest import REPO
+
 # Command arguments that are API arguments, not options.
 NOT_OPTIONS = {"gqa2mla": {"src", "output"}, "verify": {"original", "converted", "report_dir"}}
 COMMANDS = {"gqa2mla": ConvertOptions, "verify": VerifyOptions}
@@ -130,5 +132,5 @@ def test_verify_flags_reach_verify_paths(monkeypatch):
 def test_top_level_cli_py_is_the_same_command():
     import runpy
 
-    namespace = runpy.run_path(str(Path(__file__).resolve().parent.parent / "cli.py"), run_name="not_main")
+    namespace = runpy.run_path(str(REPO / "cli.py"), run_name="not_main")
     assert namespace["main"] is main

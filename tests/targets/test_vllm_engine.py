@@ -8,7 +8,6 @@ prints it); vLLM lives there, not in the project's environment. ~80 s (engine st
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +16,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 import convert
 from convert.targets.vllm import match_vllm_norms
 
+from conftest import REPO
+
 VLLM_PYTHON = os.environ.get("CONVERT_VLLM_PYTHON")
-SERVE = Path(__file__).resolve().parents[1] / "bench" / "vllm_serve.py"
+SERVE = REPO / "bench" / "vllm_serve.py"
 TOL = 1e-4
 PROMPT, NEW = 8, 32
 

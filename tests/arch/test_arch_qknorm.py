@@ -101,7 +101,7 @@ def _refused(tmp_path, *args, must_name=()):
 
 
 def test_absorbed_compression_is_refused_before_any_work(tmp_path):
-    # compression runs in the factored layout (tests/test_qknorm_compression.py)
+    # compression runs in the factored layout (tests/compress/test_qknorm_compression.py)
     _refused(tmp_path, "--kv-cache-ratio", 0.5, "--no-verify", must_name=["q/k norm", "--layout factored"])
 
 

@@ -107,8 +107,21 @@ def test_usage_errors_import_no_torch(args, names):
         (["gqa2mla", TINY_LLAMA, "--target", "vllm", "--layout", "factored"], ["--layout", "--target mla"]),
         (["verify", TINY_LLAMA, TINY_LLAMA, "--tokens", "1"], ["--tokens 1"]),
         (["heal", TINY_LLAMA, "--text", "t.txt", "--steps", "0"], ["--steps 0"]),
+        (["gqa2mla", TINY_LLAMA, "-o", "fixtures"], ["output fixtures", "input"]),
+        (["gqa2mla", TINY_LLAMA, "-o", "README.md"], ["output README.md", "choose another -o"]),
     ],
-    ids=["missing source", "tokens", "ppl ratio", "cache ratio", "rank", "export flags", "verify", "heal"],
+    ids=[
+        "missing source",
+        "tokens",
+        "ppl ratio",
+        "cache ratio",
+        "rank",
+        "export flags",
+        "verify",
+        "heal",
+        "output around the input",
+        "output not convert's",
+    ],
 )
 def test_refusals_that_need_no_tensor_import_no_torch(args, names):
     code, out, err, heavy = _run_entry_point(*args)

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FIXTURES
+
 pytestmark = pytest.mark.realdata
 
-_PATH = Path(__file__).resolve().parents[1] / "fixtures" / "realdata.py"
+_PATH = FIXTURES / "realdata.py"
 
 
 def _load_realdata():

@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Run the README's examples as written and time each; rewrite the `# ~N s` line that opens each.
+
+The `fast` examples (the shipped fixture) and then the `real` ones (SmolLM2 and the Austen novels),
+each kind in order in one scratch directory, exactly as tests/test_readme.py runs them
+(fixtures/readme_examples.py). Writes bench/results/readme_examples.json (each example's code,
+without its time line, and seconds) and, unless `--no-rewrite`, puts the measured times into the
+README, so what it says is what was measured.
+
+    python bench/readme_examples.py [--kinds fast,real] [--workdir DIR] [--no-rewrite]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+sys.path.insert(0, str(C.REPO / "fixtures"))
+import readme_examples as rx  # noqa: E402
+
+
+def rewrite(readme: Path, timed: list[tuple[rx.Example, float]]) -> None:
+    """Replace (or add) each example's first line with its measured time."""
+    text = readme.read_text()
+    for example, seconds in timed:
+        new = f"{rx.format_time(seconds)}\n{example.body}\n"
+        fence = f"```{example.language}\n"
+        old = fence + example.code
+        if old not in text:
+            raise SystemExit(f"README line {example.line}: the example changed while it ran")
+        text = text.replace(old, fence + "# " + new, 1)
+    readme.write_text(text)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    C.add_common_args(parser, "readme_examples", repeat=1)
+    parser.add_argument("--kinds", default="fast,real", help="comma-separated example kinds to run")
+    parser.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: $TMPDIR)")
+    parser.add_argument("--no-rewrite", action="store_true", help="leave the README's time lines as they are")
+    args = parser.parse_args(argv)
+    result = C.header("readme_examples", "cpu", C.wait_quiet(args.max_load, args.wait, args.max_busy))
+    rows, timed = [], []
+    for kind in args.kinds.split(","):
+        work = Path(tempfile.mkdtemp(prefix=f"convert-readme-{kind}-", dir=args.workdir))
+        try:
+            env = rx.prepare(work)
+            for example in (e for e in rx.examples() if e.kind == kind):
+                seconds, _ = rx.run(example, work, env)
+                print(f"{kind} example at line {example.line}: {seconds:.1f} s", flush=True)
+                rows.append({"kind": kind, "line": example.line, "code": example.body, "seconds": seconds})
+                timed.append((example, seconds))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    result["examples"] = rows
+    C.write_json(args.out, result)
+    if not args.no_rewrite:
+        rewrite(rx.README, timed)
+        print(f"rewrote the time lines of {len(timed)} examples in {rx.README}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

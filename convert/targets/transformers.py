@@ -1,0 +1,69 @@
+"""The `transformers` target: an exact `DeepseekV3ForCausalLM` checkpoint that stock transformers
+loads without custom code (the construction: `convert.targets.deepseek`; docs/design.md,
+"Deployment targets"). Built in memory from the whole source, written and verified like a conversion."""
+
+import torch
+
+from convert.arch import AttentionSpec
+from convert.hf import build_causal_lm, load_pretrained, load_strict
+from convert.layouts import attention_view
+from convert.options import ConvertOptions
+from convert.plan import resolve_spec
+from convert.source import StateDictSource
+from convert.targets import Build
+from convert.targets.deepseek import check_deepseek, export_sizes, exporting, to_deepseek_v3
+
+NAME = "transformers"
+NOTE = (
+    "DeepseekV3ForCausalLM for stock transformers: exact, but not for vLLM (it ignores the longrope "
+    "frequencies and the attention biases this export relies on); transformers' DeepseekV3 caches per-head "
+    "keys and values, not the latent"
+)
+#: What other runtimes make of this output.
+FOREIGN = (
+    "vLLM loads it as a DeepSeek-V3 but ignores its longrope frequencies and attention biases: it would compute "
+    "another model, so serve --target vllm instead"
+)
+
+
+def check(spec: AttentionSpec, opts: ConvertOptions) -> None:
+    """What DeepSeek-V3's dense layers cannot hold (q/k norms, fused MLPs)."""
+    check_deepseek(spec, NAME)
+
+
+def build(source, opts: ConvertOptions) -> Build:
+    """The export's tensors (made in memory from the whole source) and config; refusals first."""
+    spec = resolve_spec(source, source.config, opts)  # the same checks and refusals as the mla target
+    check(spec, opts)
+    tensors, config = to_deepseek_v3({name: source.get(name) for name in source.keys()}, source.config or {})
+    layout = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+    return Build(
+        layout=layout,
+        copied=[],
+        tensors=exporting(tensors.items(), len(layout), opts.progress),
+        config=lambda: config,
+        notes=lambda: [NOTE, f"opened elsewhere: {FOREIGN}"],
+        sizes=lambda: export_sizes(source, spec, opts, layout, config),
+        metadata={"format": "pt"},
+        options=opts,
+    )
+
+
+def model(state: dict[str, torch.Tensor], config: dict, opts: ConvertOptions, dtype: torch.dtype, device):
+    """`to_mla(target="transformers")`: the export as a DeepseekV3ForCausalLM, in memory."""
+    source = attention_view(StateDictSource(state, config), config)
+    check(resolve_spec(source, config, opts), opts)  # the same refusals as a conversion
+    tensors, export_config = to_deepseek_v3(state, config)
+    export = build_causal_lm(export_config, dtype, device=device)
+    load_strict(export, tensors, f"the --target {NAME} export")
+    return export.eval()
+
+
+def load(path, device, dtype):
+    """The export as stock transformers loads it."""
+    return load_pretrained(path, device, dtype)
+
+
+def report(export: dict, e2e: dict | None, ckpt_dtype: torch.dtype) -> dict | None:
+    """No section of its own: the export is exact, and the end-to-end figures say so."""
+    return None

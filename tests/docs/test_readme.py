@@ -1,0 +1,106 @@
+"""The README is what users run: every example in it runs as written here (the Quick start's two
+commands in `.ci/run`), its times are what `bench/readme_examples.py` measured, its exit-code table
+is the CLI's; docs/design.md names every module and bench/README.md every script."""
+
+import json
+import re
+
+import pytest
+import readme_examples as rx
+
+from convert.cli import EXIT_CODES
+
+from conftest import REPO
+
+README = (REPO / "README.md").read_text()
+TIMINGS = REPO / "bench" / "results" / "readme_examples.json"
+
+
+def _section(text: str, title: str) -> str:
+    start = text.index(f"## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else None]
+
+
+def _kind(kind: str) -> list[rx.Example]:
+    return [e for e in rx.examples() if e.kind == kind]
+
+
+def test_every_code_block_is_an_example_with_a_kind():
+    assert not rx.unmarked_blocks(), f"README code blocks at lines {rx.unmarked_blocks()} have no example marker"
+    found = rx.examples()
+    assert {e.kind for e in found} <= set(rx.KINDS), [e.kind for e in found]
+    assert all(e.why for e in found if e.kind == "manual"), "a manual example must say what it needs"
+    assert len(_kind("fast")) >= 1 and len(_kind("real")) >= 4
+
+
+def test_the_marker_parser_sees_unmarked_blocks():
+    text = "<!-- example: fast -->\n```bash\n# ~1 s\necho hi\n```\n\n```python\nprint(1)\n```\n"
+    assert [e.code for e in rx.examples(text)] == ["# ~1 s\necho hi\n"]
+    assert rx.unmarked_blocks(text) == [7]
+
+
+def test_ci_runs_the_two_quick_start_commands_verbatim():
+    commands = [e.code.strip() for e in _kind("ci")]
+    assert len(commands) == 2, commands
+    assert all(e.code in _section(README, "Quick start") for e in _kind("ci"))
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    for command in commands:
+        assert command in ci, f"{command!r} is not a line of .ci/run"
+
+
+def test_readme_times_are_the_benchmarks():
+    """Each fast/real example's stated time is what bench/readme_examples.py measured for that code."""
+    measured = {row["code"]: row for row in json.loads(TIMINGS.read_text())["examples"]}
+    for example in _kind("fast") + _kind("real"):
+        assert example.stated_time, f"README line {example.line}: the example's first line must be '# ~N s'"
+        row = measured.get(example.body)
+        assert row is not None, f"README line {example.line}: not measured; run python bench/readme_examples.py"
+        assert example.stated_time == rx.format_time(row["seconds"]), (example.line, row["seconds"])
+
+
+def test_fast_examples_run_as_written(tmp_path):
+    env = rx.prepare(tmp_path)
+    for example in _kind("fast"):
+        rx.run(example, tmp_path, env, timeout=600)
+
+
+@pytest.mark.realdata
+@pytest.mark.slow
+def test_real_model_examples_run_as_written(smollm2, tmp_path):
+    """In order, in one directory, exactly as the README shows them: each exits 0 (a FAIL is exit 1)."""
+    env = rx.prepare(tmp_path)
+    outputs = [rx.run(example, tmp_path, env, timeout=1800)[1] for example in _kind("real")]
+    assert any("PASS" in out for out in outputs)
+    assert (tmp_path / "smollm2-kv50-healed" / "healing.json").is_file()
+
+
+def test_readme_is_for_users():
+    assert len(README.splitlines()) <= 250
+    assert not re.search(r"\b(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b", README), (
+        "commit hashes belong in the CHANGELOG or git log"
+    )
+
+
+def test_design_doc_names_every_module():
+    layout = _section((REPO / "docs" / "design.md").read_text(), "Layout of the code")
+    modules = sorted(
+        p.relative_to(REPO).as_posix() for p in (REPO / "convert").rglob("*.py") if p.name != "__init__.py"
+    )
+    missing = [m for m in modules if m not in layout]
+    assert not missing, f"docs/design.md 'Layout of the code' does not name {missing}"
+    assert "cli.py" in layout.replace("convert/cli.py", "")  # the top-level entry point too
+
+
+def test_bench_readme_lists_every_script():
+    listed = (REPO / "bench" / "README.md").read_text()
+    scripts = sorted(p.name for p in (REPO / "bench").glob("*.py") if not p.name.startswith("_"))
+    missing = [s for s in scripts if f"`{s}`" not in listed]
+    assert not missing, f"bench/README.md does not list {missing}"
+
+
+def test_exit_code_table_is_the_clis():
+    table = README[README.index("### Exit codes") :]
+    readme_codes = re.findall(r"^\| (\d+) \|", table, flags=re.M)
+    cli_codes = re.findall(r"^\s+(\d+)\s{2,}", EXIT_CODES, flags=re.M)
+    assert readme_codes == cli_codes == ["0", "1", "2", "3", "130"]
