@@ -15,7 +15,7 @@ measured):
            device: load seconds; prefill of batch × context tokens, then decode steps at that context:
            median ms per step, and the ratio to the original's
 
-`--small` runs the same code on a tiny Llama (2 layers) on the CPU in seconds (tests/test_gpu_bench.py).
+`--small` runs the same code on a tiny Llama (2 layers) on the CPU in seconds (tests/conversion/test_gpu_bench.py).
 
     python bench/gpu.py [--small] [--layers 32] [--batch 4] [--context 8192] [--steps 16] [--out-dir bench/results]
 """

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (idempotently) the vLLM CPU venv used by bench/vllm_serve.py and
-# tests/test_vllm_engine.py. Prints the venv's python as the last line.
+# tests/targets/test_vllm_engine.py. Prints the venv's python as the last line.
 # Cold install: ~10 min, ~3.4 GB.
 set -euo pipefail
 V="${CONVERT_VLLM_VENV:-$HOME/.cache/convert-vllm-venv}"
