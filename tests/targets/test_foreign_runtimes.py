@@ -55,3 +55,9 @@ def test_a_native_directory_is_refused_by_stock_transformers(tmp_path):
     code = f"from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained({str(out)!r})"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode != 0 and "convert_mla" in done.stderr
+
+
+def test_the_options_offer_exactly_the_tables_targets():
+    from convert.options import TARGETS as CHOICES
+
+    assert tuple(TARGETS) == CHOICES
