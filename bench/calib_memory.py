@@ -62,7 +62,8 @@ def child(args) -> None:
         start = time.perf_counter()
         with open_checkpoint(src) as checkpoint:
             n_layers = config["num_hidden_layers"]
-            stats = calibrate.fisher_calibrate_streamed(checkpoint, config, ids, n_layers, window=args.window)
+            run = calibrate.CalibrationRun(window=args.window)
+            stats = calibrate.fisher_calibrate_streamed(checkpoint, config, ids, n_layers, run)
         seconds = time.perf_counter() - start
         vocab = config["vocab_size"]
     else:

@@ -17,9 +17,9 @@ process baseline is a child that only imports torch, transformers and convert.
 
 Goal: peak ≤ 1 GiB + 2 × (largest single layer as stored, embeddings included).
 Estimate: baseline + max(conversion tensors (plan.conversion_memory_bytes), streamed
-verification tensors (plan.streamed_verify_memory_bytes), and under auto one whole model
-for greedy generation (plan.one_model_memory_bytes) when it fits in memory); goal: within 25%
-of measured.
+verification tensors (verify.memory.streamed_verify_memory_bytes), and under auto one whole
+model for greedy generation (verify.memory.one_model_memory_bytes) when it fits in memory);
+goal: within 25% of measured.
 
     python bench/memory.py [--layers 2] [--tokens 64] [--cases smollm2,llama8b]
     python bench/memory.py --cases llama8b --layers 32 --workdir /somewhere/with/50GB
@@ -161,7 +161,7 @@ def sizes(config: dict) -> dict:
     """Bytes as stored of the largest decoder layer, the embedding, the largest layer overall."""
 
     from convert.hf import meta_state_dict
-    from convert.plan import itemsize
+    from convert.io.reader import dtype_itemsize as itemsize
 
     state = meta_state_dict(config)
     size = lambda names: sum(state[n].numel() * itemsize(state[n].dtype) for n in names)
@@ -185,7 +185,8 @@ def _run_dtype(plan, run_dtype: str):
 
 def estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "auto") -> dict:
     """The plan's peak estimate: baseline + max(conversion, streamed verification), bytes."""
-    from convert.plan import plan_for_config, streamed_verify_memory_bytes
+    from convert.plan import plan_for_config
+    from convert.verify.memory import StoredLayers, streamed_verify_memory_bytes
 
     plan = plan_for_config(config)
     s = sizes(config)
@@ -193,23 +194,16 @@ def estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "auto") 
     layer_bytes = max(s["converted_decoder_layer"], s["decoder_layer"] + attention)
     layer_tensors = [(shape, dtype) for name, (shape, dtype) in plan.output_tensors().items() if ".layers." in name]
     tensor_bytes = max(math.prod(shape) * _itemsize(dtype) for shape, dtype in layer_tensors)  # decoder tensors
-    verify = streamed_verify_memory_bytes(
-        layer_bytes,
-        tensor_bytes,
-        plan.dtype,
-        _run_dtype(plan, run_dtype),
-        tokens=tokens,
-        hidden=config["hidden_size"],
-        intermediate=config["intermediate_size"],
-        n_heads=config["num_attention_heads"],
-    )
+    stored = StoredLayers(layer_bytes, tensor_bytes, plan.dtype)
+    verify = streamed_verify_memory_bytes(stored, config, _run_dtype(plan, run_dtype), tokens)
     conversion = plan.conversion_memory_bytes()
     return {"conversion_bytes": conversion, "verify_bytes": verify, "peak_bytes": baseline + max(conversion, verify)}
 
 
 def whole_estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "auto") -> int:
     """The estimate `--e2e auto` compares with the memory available: both whole models and their logits."""
-    from convert.plan import plan_for_config, whole_model_activation_bytes, whole_model_memory_bytes
+    from convert.plan import plan_for_config
+    from convert.verify.memory import whole_model_activation_bytes, whole_model_memory_bytes
 
     plan = plan_for_config(config)
     models = whole_model_memory_bytes(plan.checkpoint_bytes, plan.dtype, _run_dtype(plan, run_dtype))
@@ -224,12 +218,12 @@ def greedy_estimate(config: dict, baseline: int, run_dtype: str = "auto") -> int
     import torch
 
     from convert.options import VerifyOptions
-    from convert.plan import (
+    from convert.plan import plan_for_config
+    from convert.verify.memory import (
         PROCESS_BASE_BYTES,
         available_memory_bytes,
         memory_bound_bytes,
         one_model_memory_bytes,
-        plan_for_config,
     )
 
     plan = plan_for_config(config)
@@ -243,7 +237,7 @@ def greedy_estimate(config: dict, baseline: int, run_dtype: str = "auto") -> int
 
 
 def _itemsize(dtype) -> int:
-    from convert.plan import itemsize
+    from convert.io.reader import dtype_itemsize as itemsize
 
     return itemsize(dtype)
 

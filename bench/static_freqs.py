@@ -20,7 +20,7 @@ sys.path.insert(0, str(HERE.parent / "fixtures"))
 
 import realdata  # noqa: E402
 
-from convert.plan import STATIC_SPAN, held_frequencies  # noqa: E402
+from convert.compress import STATIC_SPAN, held_frequencies  # noqa: E402
 from convert.verify.e2e import perplexity  # noqa: E402
 
 

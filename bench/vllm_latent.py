@@ -3,7 +3,7 @@ on the export, no vLLM): the regime every 7B+ source is in (Mistral-7B: 512 of t
 its position-free keys and values need, 26%), measured where a real model is at hand.
 
 SmolLM2 needs 320 latent dims (128 remainder + 192 values); the export is given 100 / 75 / 50 /
-25% of them (`to_vllm_deepseek(rank=…)`), the latent factored with Fisher weights (the API's
+25% of them (`ExportChoices(rank=…)`), the latent factored with Fisher weights (the API's
 choice when it compresses), on the original model's inputs or sequentially (each layer on the
 inputs the export's own earlier layers give it, up-projections refit to the original's keys and
 values), and with plain activation whitening. Calibrates on Pride and
@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCa
 from convert.compress.calibrate import calibrate, fisher_calibrate_streamed
 from convert.io import open_checkpoint
 from convert.targets.vllm import (
+    ExportChoices,
     SequentialLatents,
     latent_content_rank,
     match_vllm_norms,
@@ -73,7 +74,7 @@ for share in (1.0, 0.75, 0.5, 0.25):
         t0 = time.perf_counter()
         with open_checkpoint(src) as ck:
             seq = SequentialLatents(ck, config, cal) if sequential and share < 1.0 else None
-            t, c = to_vllm_deepseek(sd, config, layer_stats, rank=rank, sequential=seq)
+            t, c = to_vllm_deepseek(sd, config, ExportChoices(stats=layer_stats, rank=rank, sequential=seq))
         export_s = time.perf_counter() - t0
         export = c.pop("convert_export")
         m = DeepseekV3ForCausalLM(DeepseekV3Config.from_dict(c)).eval()

@@ -22,7 +22,13 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCa
 from convert.compress.calibrate import calibrate
 from convert.io import open_checkpoint
 from convert.targets.nope_fit import SAMPLES
-from convert.targets.vllm import match_vllm_norms, resolve_vllm_spec, rotation_fit_observer, to_vllm_deepseek
+from convert.targets.vllm import (
+    ExportChoices,
+    match_vllm_norms,
+    resolve_vllm_spec,
+    rotation_fit_observer,
+    to_vllm_deepseek,
+)
 from convert.text import text_token_ids
 
 torch.set_num_threads(2)
@@ -51,7 +57,8 @@ results = []
 variants = [("fit", 0, SAMPLES), ("fit", 0, 16), ("nope", 0, 0), ("drop", 0, 0)]
 variants += [("expected", span, 0) for span in (64, 256, 1024)]
 for mode, span, samples in variants:
-    t, c = to_vllm_deepseek(sd, config, stats[samples or SAMPLES], stand_in=mode, span=max(span, 1))
+    choices = ExportChoices(stats=stats[samples or SAMPLES], stand_in=mode, span=max(span, 1))
+    t, c = to_vllm_deepseek(sd, config, choices)
     c.pop("convert_export")
     m = DeepseekV3ForCausalLM(DeepseekV3Config.from_dict(c)).eval()
     m.load_state_dict(t, strict=False)

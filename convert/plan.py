@@ -11,15 +11,14 @@ from a meta-device model), allocating nothing.
 import dataclasses
 import math
 import os
-import re
 from dataclasses import dataclass
 
 import torch
 
 from convert import compress
-from convert.arch import AttentionSpec, find_arch, resolve_attention
+from convert.arch import AttentionSpec, GeometryFlags, find_arch, resolve_attention
 from convert.errors import ConvertError
-from convert.hf import hf_classes, hf_config, meta_state_dict
+from convert.hf import meta_state_dict
 from convert.io.reader import dtype_itemsize
 from convert.io.writer import QUEUE_BYTES
 from convert.layouts import attention_view
@@ -28,18 +27,6 @@ from convert.linalg.absorb import BLOCK_BYTES
 from convert.options import ConvertOptions, dtype_name
 from convert.source import StateDictSource, attention_names, check_layer, norm_shape, read_layer
 
-# Whole-model verification holds both models plus activations: this many times
-# the checkpoint (in the run's dtype).
-WHOLE_MODEL_FACTOR = 2.5
-# One whole model for greedy generation (`one_model_memory_bytes`): its weights, read straight into
-# it, and the transients of building it and of a short generation (measured: 1.08x SmolLM2's
-# converted model, 1.18x a 2-layer Llama-3-8B shape's).
-ONE_MODEL_FACTOR = 1.2
-# The memory bound of a streamed run (`memory_bound_bytes`): this plus twice the largest layer.
-MEMORY_BOUND_BASE = 2**30
-# A process's own memory once torch, transformers and convert are imported (bench/memory.py's
-# baseline: 0.33 GiB on CPU), which the bound includes.
-PROCESS_BASE_BYTES = 350 * 2**20
 SMALL_LAYER_PARAMS = 16 * 2**20  # converted attention parameters below which layers convert side by side
 
 
@@ -113,90 +100,6 @@ def output_shapes(spec: AttentionSpec, ranks: dict[str, int], layout: str, biase
     if biases & {"o", "v"}:
         shapes[f"{o_name}.bias"] = (hidden,)
     return shapes
-
-
-def whole_model_memory_bytes(checkpoint_bytes: int, checkpoint_dtype: torch.dtype, run_dtype: torch.dtype) -> int:
-    """Memory that whole-model verification needs: both models and activations, in `run_dtype`."""
-    return int(WHOLE_MODEL_FACTOR * checkpoint_bytes * dtype_itemsize(run_dtype) / dtype_itemsize(checkpoint_dtype))
-
-
-def largest_layer_bytes(*checkpoints) -> int:
-    """The largest single layer as stored in any of `checkpoints`: one decoder layer's tensors
-    together, or one tensor outside the decoder layers (the embedding, the lm_head)."""
-    layers: dict[tuple, int] = {}
-    for i, checkpoint in enumerate(checkpoints):
-        for name in checkpoint.keys():
-            match = re.search(r"\.layers\.(\d+)\.", name)
-            key = (i, match.group(1) if match else name)
-            nbytes = math.prod(checkpoint.shape(name)) * dtype_itemsize(checkpoint.dtype(name))
-            layers[key] = layers.get(key, 0) + nbytes
-    return max(layers.values(), default=0)
-
-
-def memory_bound_bytes(largest_layer: int) -> int:
-    """The peak a streamed conversion with verification keeps to (the process included): 1 GiB
-    plus two of its largest layers. `--e2e auto` runs greedy generation only within it."""
-    return MEMORY_BOUND_BASE + 2 * largest_layer
-
-
-def one_model_memory_bytes(checkpoint_bytes: int, checkpoint_dtype: torch.dtype, dtype: torch.dtype) -> int:
-    """Memory of one whole model in `dtype` (greedy generation under --e2e auto: a few dozen tokens'
-    KV cache and activations besides, and the tensor being read in), `ONE_MODEL_FACTOR` x its weights."""
-    return int(ONE_MODEL_FACTOR * checkpoint_bytes * dtype_itemsize(dtype) / dtype_itemsize(checkpoint_dtype))
-
-
-def streamed_verify_memory_bytes(
-    layer_bytes: int,
-    tensor_bytes: int,
-    checkpoint_dtype: torch.dtype,
-    run_dtype: torch.dtype,
-    *,
-    tokens: int,
-    hidden: int,
-    intermediate: int,
-    n_heads: int,
-    window: int = 1024,
-    vocab_chunk: int = 8192,
-) -> int:
-    """Tensor memory of streamed verification (convert.verify.streamed, .layers), the process not counted.
-
-    layer_bytes: the most module bytes in memory at once, as stored: the larger of a converted
-    decoder layer and (per-layer check) an original decoder layer plus a converted attention.
-    tensor_bytes: the largest single tensor, as stored. Modules are allocated in `run_dtype` and
-    filled one tensor at a time, each read as stored and cast by the copy into the module. Then
-    both models' hidden states of all `tokens`, one layer's activations on a window (MLP
-    (w, 3·intermediate), attention scores (heads, w, w) twice), and one vocabulary chunk: two models' lm_head rows (chunk, hidden) as read and in the run's
-    dtype, and the float64 (w, chunk) tensors `streamed._window_figures` holds at once (both
-    models' logits, the previous chunk's while the next is made, their difference, the
-    softmax weights and the temporaries of their products: nine). A half-precision checkpoint's
-    exact conversion runs the original's twin (`convert.verify.twin`) as a third stream.
-    """
-    run = dtype_itemsize(run_dtype)
-    w = min(tokens, window)
-    modules = layer_bytes * run // dtype_itemsize(checkpoint_dtype) + tensor_bytes
-    streams = 3 if dtype_itemsize(checkpoint_dtype) < 4 else 2
-    states = streams * 2 * tokens * hidden * run
-    inside = w * (3 * intermediate + 6 * hidden) * run + 2 * n_heads * w * w * max(run, 4)
-    logits = 9 * w * vocab_chunk * 8 + 2 * vocab_chunk * hidden * (run + dtype_itemsize(checkpoint_dtype))
-    return modules + states + inside + logits
-
-
-def whole_model_activation_bytes(tokens: int, vocab: int, window: int = 1024) -> int:
-    """The (window × vocab) float64 tensors whole-model verification holds at once (the logits of
-    both models, their log-softmaxes, the difference, p): what `whole_model_memory_bytes` leaves out."""
-    return 6 * min(tokens, window) * vocab * 8
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Memory free for new tensors on `device` (CPU: the kernel's MemAvailable)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 # ------------------------------------------------------------------ the plan
@@ -313,10 +216,6 @@ class ConversionPlan:
         largest = max(math.prod(s) for layer in self.layers for s in layer.shapes.values()) * size
         return in_flight + BLOCK_BYTES + min(QUEUE_BYTES, converted) + largest
 
-    def whole_model_memory_bytes(self, run_dtype: torch.dtype) -> int:
-        """Memory of whole-model verification: both models and activations, in `run_dtype`."""
-        return whole_model_memory_bytes(self.checkpoint_bytes, self.dtype, run_dtype)
-
     def _layer_source_params(self, layer: int) -> int:
         prefix = self.spec.prefix(layer)
         return sum(math.prod(self.source_tensors[n][0]) for n in self.replaced if n.startswith(prefix))
@@ -349,16 +248,8 @@ def make_plan(source, spec: AttentionSpec, opts: ConvertOptions, stats=None) -> 
 
 def resolve_spec(source, config: dict | None, opts: ConvertOptions) -> AttentionSpec:
     """The attention spec of `source`, with the options' geometry flags; refuses what cannot convert."""
-    spec = resolve_attention(
-        config,
-        source.keys(),
-        source.shape,
-        arch=opts.arch,
-        n_heads=opts.n_heads,
-        n_kv_heads=opts.n_kv_heads,
-        head_dim=opts.head_dim,
-        head_map=opts.head_map,
-    )
+    flags = GeometryFlags(opts.arch, opts.n_heads, opts.n_kv_heads, opts.head_dim, opts.head_map)
+    spec = resolve_attention(config, source.keys(), source.shape, flags)
     if opts.latent == "joint" and spec.rope:
         raise ConvertError(
             "--latent joint needs keys without RoPE: a shared K/V latent cannot carry the per-frequency "
@@ -374,7 +265,7 @@ def resolve_spec(source, config: dict | None, opts: ConvertOptions) -> Attention
             "--layout factored to compress, or drop --rank/--kv-cache-ratio"
         )
     if spec.rope and opts.layout == "absorbed" and lossy and opts.latent == "split" and opts.nope_angle > 0:
-        spec = dataclasses.replace(spec, static_freqs=static_frequencies(spec, config or {}, opts.nope_angle))
+        spec = dataclasses.replace(spec, static_freqs=compress.static_frequencies(spec, config or {}, opts.nope_angle))
     return spec
 
 
@@ -383,31 +274,6 @@ def _compresses(source, spec: AttentionSpec, opts: ConvertOptions) -> bool:
     if opts.rank is not None and opts.latent == "split":
         return any(opts.rank < limit for limit in _exact_layer_ranks(source, spec, 0, opts).values())
     return opts.lossy
-
-
-#: The span over which a frequency must turn less than --nope-angle to be cached as NoPE.
-STATIC_SPAN = 4096
-
-
-def static_frequencies(spec: AttentionSpec, config: dict, angle: float) -> tuple[int, ...]:
-    """The key frequencies j (pairs j, j + d/2) whose RoPE turns less than `angle` radians over
-    min(max_position_embeddings, 4096) tokens: within that span they are nearly static, so an
-    absorbed compressed latent caches them as NoPE dims (compressed across frequencies and heads)
-    instead of spending a rotary pair per component. Computed from the source's own rotary
-    embedding (rope_theta and scaling as transformers applies them)."""
-    if spec.arch.hf_attention is None or config.get("model_type") is None:
-        return ()
-
-    rotary = hf_classes(spec.arch.name)[2](hf_config(config))
-    inv_freq = getattr(rotary, "inv_freq", None)
-    if inv_freq is None:  # a rotary embedding per layer type (Gemma 3): keep every frequency rotary
-        return ()
-    return held_frequencies(inv_freq, min(config.get("max_position_embeddings") or STATIC_SPAN, STATIC_SPAN), angle)
-
-
-def held_frequencies(inv_freq: torch.Tensor, span: int, angle: float) -> tuple[int, ...]:
-    """The frequencies j of inv_freq (d/2,) that turn less than `angle` radians over `span` tokens."""
-    return tuple(int(j) for j in torch.nonzero(inv_freq.double() * span < angle)[:, 0])
 
 
 def _check_qk_norm_options(spec: AttentionSpec, opts: ConvertOptions, compressing: bool) -> None:

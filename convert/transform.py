@@ -8,6 +8,7 @@ prefix and match the submodules of `convert.mla.MLAAttention`; docs/design.md, "
 lists them per layout (absorbed split or joint, factored, q/k norm).
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,17 @@ class LayerInfo:
         return entry
 
 
+@dataclass(frozen=True)
+class LayerFactors:
+    """One layer's keys and values factored (`factor_layer`): the key factor (joint: of [W^K; W^V]),
+    the value factor, whether the key latent is affine (key bias kept), and notes for the report."""
+
+    key: Factor
+    value: Factor
+    affine: bool
+    notes: list[str]
+
+
 def with_bias(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """(m, D) weight and (m,) bias -> (m, D+1) in `dtype`: the affine map as a linear one on [y; 1]."""
     if bias is None:
@@ -98,8 +110,7 @@ def _key_factor(
     if per_frequency and spec.rotary_dim is not None:  # exact only (plan refuses a lower rank)
         return partial_rope_factor(keys, spec.n_kv_heads, spec.rotary_dim), affine
     if per_frequency and spec.static_freqs:  # compressed: [rotary pairs | static frequencies as NoPE]
-        weights = [getattr(weighting, f, None) for f in ("key_pairs", "key_moment", "key_static_rows", "key_cross")]
-        return decoupled_rope_factor(keys, spec.n_kv_heads, rank, spec.static_freqs, *weights), affine
+        return decoupled_rope_factor(keys, spec.n_kv_heads, rank, spec.static_freqs, weighting), affine
     if weighting is not None:
         if per_frequency:
             pairs, moment, cross = weighting.key_pairs, weighting.key_moment, weighting.key_cross
@@ -133,8 +144,8 @@ def factor_layer(
     ranks: dict | None,
     weighting=None,
     work: torch.dtype = torch.float64,
-):
-    """Factor one layer's keys and values: (key factor, value factor, affine key latent, notes).
+) -> LayerFactors:
+    """Factor one layer's keys and values.
 
     ranks: {"rank_k", "rank_v"} or {"rank_kv"}; None = exact. weighting: a
     `convert.compress.Weighting` for compression below the exact rank, or None
@@ -146,9 +157,9 @@ def factor_layer(
         notes.append("k bias dropped: without RoPE q·b_K is constant over keys and cancels in softmax")
     if latent == "joint":
         key_f, value_f = joint_factor(w.k, w.v, ranks.get("rank_kv"), work)
-        return key_f, value_f, False, notes
+        return LayerFactors(key_f, value_f, False, notes)
     key_f, affine = _key_factor(w, spec, layout, ranks.get("rank_k"), weighting, work)
-    return key_f, _value_factor(w, ranks.get("rank_v"), weighting, work), affine, notes
+    return LayerFactors(key_f, _value_factor(w, ranks.get("rank_v"), weighting, work), affine, notes)
 
 
 def convert_layer(
@@ -169,15 +180,15 @@ def convert_layer(
     are the source's own.
     """
     work = work_dtype(dtype)
-    key_f, value_f, affine, notes = factor_layer(w, spec, latent, layout, ranks, weighting, work)
-    out = _down_tensors(key_f, value_f, affine, latent)
+    factors = factor_layer(w, spec, latent, layout, ranks, weighting, work)
+    out = _down_tensors(factors, latent)
     normed = None  # q/k norm, compressed: the factor of the normed keys
-    if spec.qk_norm is not None and (ranks or {}).get("rank_k", key_f.rank) < key_f.rank:
+    if spec.qk_norm is not None and (ranks or {}).get("rank_k", factors.key.rank) < factors.key.rank:
         normed = normed_key_factor(spec, ranks["rank_k"], weighting)
-        out["k_compress.weight"] = normed.down @ key_f.up  # (r_K, G·d): from the aligned latent
-        key_f = normed  # what the cache holds of the keys: its figures are reported
-    up_k = expand_groups(key_f.up, spec.n_heads, spec.n_kv_heads, spec.head_map)  # (H·d, r_K)
-    up_v = expand_groups(value_f.up, spec.n_heads, spec.n_kv_heads, spec.head_map)  # (H·d, r_V)
+        out["k_compress.weight"] = normed.down @ factors.key.up  # (r_K, G·d): from the aligned latent
+        factors = dataclasses.replace(factors, key=normed)  # what the cache holds of the keys: reported
+    up_k = expand_groups(factors.key.up, spec.n_heads, spec.n_kv_heads, spec.head_map)  # (H·d, r_K)
+    up_v = expand_groups(factors.value.up, spec.n_heads, spec.n_kv_heads, spec.head_map)  # (H·d, r_V)
     out_bias = _output_bias(w, spec)
     if spec.qk_norm is not None:
         out |= _split_bias(with_bias(w.q, w.q_bias), w.q_bias is not None, "q_proj")
@@ -198,13 +209,13 @@ def convert_layer(
         out |= {"k_up.weight": up_k, "v_up.weight": up_v, "o_proj.weight": w.o}
         out |= {"o_proj.bias": out_bias} if out_bias is not None else {}
     key_target = None if normed is None else torch.eye(normed.up.shape[0], dtype=normed.up.dtype)
-    return out, _layer_info(w, spec, key_f, value_f, affine, latent, layout, notes, key_target)
+    return out, _layer_info(w, factors, latent, layout, key_target)
 
 
-def _down_tensors(key_f: Factor, value_f: Factor, affine: bool, latent: str) -> dict[str, torch.Tensor]:
+def _down_tensors(factors: LayerFactors, latent: str) -> dict[str, torch.Tensor]:
     if latent == "joint":
-        return {"kv_down.weight": key_f.down}
-    return _split_bias(key_f.down, affine, "k_down") | {"v_down.weight": value_f.down}
+        return {"kv_down.weight": factors.key.down}
+    return _split_bias(factors.key.down, factors.affine, "k_down") | {"v_down.weight": factors.value.down}
 
 
 def _output_bias(w: LayerWeights, spec: AttentionSpec) -> torch.Tensor | None:
@@ -217,10 +228,11 @@ def _output_bias(w: LayerWeights, spec: AttentionSpec) -> torch.Tensor | None:
     return bias
 
 
-def _layer_info(w, spec, key_f, value_f, affine, latent, layout, notes, key_target=None) -> LayerInfo:
-    """key_target: what key_f.up @ key_f.down approximates (default the key projection; the
+def _layer_info(w: LayerWeights, factors: LayerFactors, latent: str, layout: str, key_target=None) -> LayerInfo:
+    """key_target: what the key factor's up @ down approximates (default the key projection; the
     identity on the normed keys for a compressed q/k norm)."""
-    keys = with_bias(w.k, w.k_bias if affine else None) if key_target is None else key_target
+    key_f, value_f = factors.key, factors.value
+    keys = with_bias(w.k, w.k_bias if factors.affine else None) if key_target is None else key_target
     if latent == "joint":
         ranks = {"rank_kv": key_f.rank}
         energy = {"kv": key_f.retained_energy()}
@@ -234,4 +246,4 @@ def _layer_info(w, spec, key_f, value_f, affine, latent, layout, notes, key_targ
             "v": _relative_error(value_f.up @ value_f.down, w.v),
         }
     freq = key_f.freq_index.tolist() if key_f.freq_index is not None and layout == "absorbed" else None
-    return LayerInfo(ranks=ranks, retained_energy=energy, factor_error=errors, key_freq_index=freq, notes=notes)
+    return LayerInfo(ranks=ranks, retained_energy=energy, factor_error=errors, key_freq_index=freq, notes=factors.notes)

@@ -6,6 +6,14 @@ the tensor shapes into an `AttentionSpec`, refusing what it cannot convert.
 """
 
 from convert.arch.registry import ARCHS, QK_NORM_MODEL_TYPES, ArchSpec, find_arch
-from convert.arch.spec import AttentionSpec, resolve_attention
+from convert.arch.spec import AttentionSpec, GeometryFlags, resolve_attention
 
-__all__ = ["ARCHS", "QK_NORM_MODEL_TYPES", "ArchSpec", "AttentionSpec", "find_arch", "resolve_attention"]
+__all__ = [
+    "ARCHS",
+    "QK_NORM_MODEL_TYPES",
+    "ArchSpec",
+    "AttentionSpec",
+    "GeometryFlags",
+    "find_arch",
+    "resolve_attention",
+]

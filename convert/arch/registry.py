@@ -122,17 +122,15 @@ def _hf(
     name: str,
     attention: str,
     bias: dict[str, str],
-    model_types: tuple[str, ...] | None = None,
-    qk_norm: str | None = None,
-    pre_norm: bool = True,
-    norms: tuple[str, ...] | None = None,
-    gemma_scores: bool = False,
-    norm_unit_offset: bool = False,
+    norms: tuple[str, ...] = ("input", "post_attention"),
     module: str | None = None,
 ) -> ArchSpec:
+    """A Llama-style transformers family: q/k/v/o_proj under `model.layers.{i}.self_attn.`,
+    rotate-half RoPE, causal; `norms` its decoder layers' norms, `module` transformers' module
+    name when it differs from `name`. What a family adds is set on the entry with `dataclasses.replace`."""
     return ArchSpec(
         name=name,
-        model_types=model_types or (name,),
+        model_types=(name,),
         layer_prefixes=("model.layers.{i}.self_attn.",),
         q="q_proj",
         k="k_proj",
@@ -143,13 +141,7 @@ def _hf(
         causal=True,
         hf_attention=f"transformers.models.{module or name}.modeling_{module or name}:{attention}",
         embed="model.embed_tokens.weight",
-        tensors=_llama_tensors(
-            bias, norms or (("input", "post_attention") if pre_norm else ("post_attention", "post_feedforward"))
-        ),
-        qk_norm=qk_norm,
-        pre_norm=pre_norm,
-        gemma_scores=gemma_scores,
-        norm_unit_offset=norm_unit_offset,
+        tensors=_llama_tensors(bias, norms),
     )
 
 
@@ -186,30 +178,24 @@ ARCHS: dict[str, ArchSpec] = {
     "mistral": _hf("mistral", "MistralAttention", _MISTRAL_BIAS),
     "qwen2": _hf("qwen2", "Qwen2Attention", _QWEN2_BIAS),
     # Qwen3: Llama's layout plus per-head RMSNorm of q and k before RoPE (docs/design.md, "Biases and layer features").
-    "qwen3": _hf("qwen3", "Qwen3Attention", _LLAMA_BIAS, qk_norm="head"),
+    "qwen3": dataclasses.replace(_hf("qwen3", "Qwen3Attention", _LLAMA_BIAS), qk_norm="head"),
     # OLMo 2: RMSNorm of q and k over the whole projection (all heads at once), norms after
     # attention and MLP.
-    "olmo2": _hf("olmo2", "Olmo2Attention", _LLAMA_BIAS, qk_norm="whole", pre_norm=False),
+    "olmo2": dataclasses.replace(
+        _hf("olmo2", "Olmo2Attention", _LLAMA_BIAS, norms=("post_attention", "post_feedforward")),
+        qk_norm="whole",
+        pre_norm=False,
+    ),
     # Gemma 2: scores scaled by query_pre_attn_scalar^-1/2 and soft-capped, norms before and after
     # attention and MLP, alternating sliding-window layers (transformers' masks), tied embeddings.
-    "gemma2": _hf(
-        "gemma2",
-        "Gemma2Attention",
-        _LLAMA_BIAS,
-        norms=_GEMMA_NORMS,
-        gemma_scores=True,
-    ),
+    "gemma2": dataclasses.replace(_hf("gemma2", "Gemma2Attention", _LLAMA_BIAS, _GEMMA_NORMS), gemma_scores=True),
     # Gemma 3 (text): Gemma 2's layout, per-head q/k norms scaling by (1 + weight), one RoPE base for
     # sliding-window layers and another for global ones (the model hands each layer its own cos/sin).
-    "gemma3_text": _hf(
-        "gemma3_text",
-        "Gemma3Attention",
-        _LLAMA_BIAS,
+    "gemma3_text": dataclasses.replace(
+        _hf("gemma3_text", "Gemma3Attention", _LLAMA_BIAS, _GEMMA_NORMS, module="gemma3"),
         qk_norm="head",
-        norms=_GEMMA_NORMS,
         gemma_scores=True,
         norm_unit_offset=True,
-        module="gemma3",
     ),
     # Mixtral: Mistral's attention, a mixture-of-experts MLP (router + experts) passed through.
     "mixtral": dataclasses.replace(_hf("mixtral", "MixtralAttention", _MISTRAL_BIAS), tensors=_mixtral_tensors()),

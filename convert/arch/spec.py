@@ -47,6 +47,37 @@ class AttentionSpec:
         return [name.format(i=layer) for name in rules]
 
 
+@dataclass(frozen=True)
+class GeometryFlags:
+    """The geometry flags of a conversion (--arch, --n-heads, --n-kv-heads, --head-dim, --head-map):
+    None where not given, so config.json, the family or the tensor shapes decide."""
+
+    arch: str | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    head_map: str | None = None
+
+
+@dataclass(frozen=True)
+class _FirstLayer:
+    """Layer 0's query and key weights as stored: what the head geometry must agree with."""
+
+    q_name: str
+    k_name: str
+    q_rows: int
+    k_rows: int
+    hidden: int  # the query weight's columns
+
+
+def _first_layer(arch: ArchSpec, prefix: str, keys: set[str], shape) -> _FirstLayer:
+    q_name, k_name = arch.tensor(prefix, "q"), arch.tensor(prefix, "k")
+    q_rows, hidden = _matrix(q_name, shape)
+    if k_name not in keys:
+        raise ConvertError(f"layer 0 has no {k_name!r}; the checkpoint is incomplete or not a {arch.name} model")
+    return _FirstLayer(q_name, k_name, q_rows, _matrix(k_name, shape)[0], hidden)
+
+
 def _flag_or_config(config: dict, field: str, flag: str, value: int | None) -> int | None:
     """The config's value, checked against the flag's when both are given."""
     in_config = config.get(field)
@@ -167,12 +198,7 @@ def resolve_attention(
     config: dict | None,
     keys: Iterable[str],
     shape: Callable[[str], tuple[int, ...]],
-    *,
-    arch: str | None = None,
-    n_heads: int | None = None,
-    n_kv_heads: int | None = None,
-    head_dim: int | None = None,
-    head_map: str | None = None,
+    flags: GeometryFlags = GeometryFlags(),
 ) -> AttentionSpec:
     """Work out and check the attention geometry of a checkpoint.
 
@@ -182,36 +208,31 @@ def resolve_attention(
     config = config or {}
     check_config(config)
     keys = set(keys)
-    spec = find_arch(config.get("model_type"), arch)
+    spec = find_arch(config.get("model_type"), flags.arch)
     if _is_hf_config(spec, config):
         _require_fields(spec, config)
     _refuse_qk_norm(spec, keys)
     template = _layer_template(spec, keys)
     n_layers = count_layers(spec, template, keys)
     _check_layer_count(config, n_layers)
-    prefix0 = template.format(i=0)
-    q_rows, hidden = _matrix(spec.tensor(prefix0, "q"), shape)
-    k_name = spec.tensor(prefix0, "k")
-    if k_name not in keys:
-        raise ConvertError(f"layer 0 has no {k_name!r}; the checkpoint is incomplete or not a {spec.name} model")
-    k_rows = _matrix(k_name, shape)[0]
+    first = _first_layer(spec, template.format(i=0), keys, shape)
 
-    n_heads = _flag_or_config(config, "num_attention_heads", "--n-heads", n_heads)
+    n_heads = _flag_or_config(config, "num_attention_heads", "--n-heads", flags.n_heads)
     if n_heads is None:
         raise ConvertError("the number of query heads is unknown (no config.json): pass --n-heads")
     if n_heads <= 0:
         raise ConvertError(f"--n-heads {n_heads} is not a positive number of query heads; pass the model's head count")
-    hidden_size = config.get("hidden_size", hidden)
-    head_dim = _flag_or_config(config, "head_dim", "--head-dim", head_dim) or _default_head_dim(
-        spec, config, hidden_size, q_rows, n_heads
+    hidden_size = config.get("hidden_size", first.hidden)
+    head_dim = _flag_or_config(config, "head_dim", "--head-dim", flags.head_dim) or _default_head_dim(
+        spec, config, hidden_size, first.q_rows, n_heads
     )
-    n_kv_heads = _flag_or_config(config, "num_key_value_heads", "--n-kv-heads", n_kv_heads)
-    n_kv_heads = n_kv_heads or (n_heads if _is_hf_config(spec, config) else k_rows // head_dim)
-    _check_geometry(spec, prefix0, n_heads, n_kv_heads, head_dim, hidden_size, q_rows, k_rows, hidden)
+    n_kv_heads = _flag_or_config(config, "num_key_value_heads", "--n-kv-heads", flags.n_kv_heads)
+    n_kv_heads = n_kv_heads or (n_heads if _is_hf_config(spec, config) else first.k_rows // head_dim)
+    _check_geometry(first, n_heads, n_kv_heads, head_dim, hidden_size)
     if _is_hf_config(spec, config):
         _check_model_tensors(spec, config, hidden_size, n_layers, keys, shape)
 
-    head_map = head_map or spec.head_map
+    head_map = flags.head_map or spec.head_map
     if head_map not in HEAD_MAPS:
         raise ConvertError(f"--head-map {head_map!r} is unknown; use one of {', '.join(HEAD_MAPS)}")
     rotary_dim = None
@@ -336,7 +357,7 @@ def _check_rule_shape(name: str, actual: tuple[int, ...], fields: tuple[str, ...
         )
 
 
-def _check_geometry(spec, prefix, n_heads, n_kv_heads, head_dim, hidden_size, q_rows, k_rows, hidden) -> None:
+def _check_geometry(first: _FirstLayer, n_heads: int, n_kv_heads: int, head_dim: int, hidden_size: int) -> None:
     if n_heads <= 0 or n_kv_heads <= 0 or head_dim <= 0:
         raise ConvertError(
             f"head counts must be positive (n_heads={n_heads}, n_kv_heads={n_kv_heads}, head_dim={head_dim})"
@@ -346,16 +367,18 @@ def _check_geometry(spec, prefix, n_heads, n_kv_heads, head_dim, hidden_size, q_
             f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads}: every key/value head must serve "
             "the same number of query heads; check num_attention_heads / num_key_value_heads"
         )
-    q_name, k_name = spec.tensor(prefix, "q"), spec.tensor(prefix, "k")
-    if q_rows != n_heads * head_dim:
+    q_name, k_name = first.q_name, first.k_name
+    if first.q_rows != n_heads * head_dim:
         raise ConvertError(
-            f"{q_name} has {q_rows} rows but n_heads×head_dim = {n_heads}×{head_dim} = {n_heads * head_dim}; "
+            f"{q_name} has {first.q_rows} rows but n_heads×head_dim = {n_heads}×{head_dim} = {n_heads * head_dim}; "
             "config.json (or the flags) do not describe this checkpoint"
         )
-    if k_rows != n_kv_heads * head_dim:
+    if first.k_rows != n_kv_heads * head_dim:
         raise ConvertError(
-            f"{k_name} has {k_rows} rows but n_kv_heads×head_dim = {n_kv_heads}×{head_dim} = {n_kv_heads * head_dim}; "
+            f"{k_name} has {first.k_rows} rows but n_kv_heads×head_dim = {n_kv_heads}×{head_dim} = {n_kv_heads * head_dim}; "
             "config.json (or the flags) do not describe this checkpoint"
         )
-    if hidden != hidden_size:
-        raise ConvertError(f"{q_name} has {hidden} columns but config.json hidden_size={hidden_size}; fix config.json")
+    if first.hidden != hidden_size:
+        raise ConvertError(
+            f"{q_name} has {first.hidden} columns but config.json hidden_size={hidden_size}; fix config.json"
+        )

@@ -1,7 +1,8 @@
 """Compression below the exact rank: calibration, weighting, budget allocation (docs/design.md, "Compression").
 
 `uniform_ranks` and `allocate_global` decide the latent sizes for a KV-cache budget (the budget
-itself is `convert.plan`'s); the conversion then factors each layer with `layer_weighting`'s
+itself is `convert.plan`'s), and `static_frequencies` which RoPE frequencies an absorbed latent
+caches as NoPE dims (`--nope-angle`); the conversion then factors each layer with `layer_weighting`'s
 weights at those ranks (see `convert.transform.factor_layer`). The statistics behind the weights
 come from `calibrate` and `fisher_calibrate(_streamed)`, or from `convert.compress.sequential`.
 """
@@ -10,14 +11,22 @@ import torch
 
 from convert.arch import AttentionSpec
 from convert.compress.allocate import Latent, allocate_global
-from convert.compress.calibrate import LayerStats, calibrate, fisher_calibrate, fisher_calibrate_streamed
+from convert.compress.calibrate import (
+    CalibrationRun,
+    LayerStats,
+    calibrate,
+    fisher_calibrate,
+    fisher_calibrate_streamed,
+)
 from convert.compress.weights import Weighting, layer_weighting
+from convert.hf import hf_classes, hf_config
 from convert.linalg.weighted import decoupled_spectrum, pair_weighted_moment_spectrum, weighted_spectrum
 from convert.options import METHODS
 from convert.transform import LayerWeights, with_bias
 
 __all__ = [
     "METHODS",
+    "CalibrationRun",
     "LayerStats",
     "Weighting",
     "calibrate",
@@ -27,6 +36,7 @@ __all__ = [
     "allocate_global",
     "layer_latents",
     "uniform_ranks",
+    "static_frequencies",
 ]
 
 
@@ -40,14 +50,7 @@ def layer_latents(
     if spec.qk_norm is not None:  # the normed keys n themselves: the identity on n, weighted
         keys = torch.eye(spec.n_kv_heads * spec.head_dim, dtype=torch.float64)
     if spec.rope and layout == "absorbed" and spec.static_freqs:  # [rotary pairs | static NoPE dims]
-        s = decoupled_spectrum(
-            keys,
-            spec.n_kv_heads,
-            spec.static_freqs,
-            weighting.key_pairs,
-            weighting.key_moment,
-            weighting.key_static_rows,
-        )
+        s = decoupled_spectrum(keys, spec.n_kv_heads, spec.static_freqs, weighting)
         key = Latent(layer, "rank_k", s, cost=1)
     elif spec.rope and layout == "absorbed":
         s = pair_weighted_moment_spectrum(keys, spec.n_kv_heads, weighting.key_pairs, weighting.key_moment)
@@ -65,3 +68,28 @@ def uniform_ranks(spec: AttentionSpec, layout: str, per_layer: int) -> dict:
     if spec.rope and layout == "absorbed" and not spec.static_freqs:
         rank_k -= rank_k % 2
     return {"rank_k": rank_k, "rank_v": per_layer - rank_k}
+
+
+#: The span over which a frequency must turn less than --nope-angle to be cached as NoPE.
+STATIC_SPAN = 4096
+
+
+def static_frequencies(spec: AttentionSpec, config: dict, angle: float) -> tuple[int, ...]:
+    """The key frequencies j (pairs j, j + d/2) whose RoPE turns less than `angle` radians over
+    min(max_position_embeddings, 4096) tokens: within that span they are nearly static, so an
+    absorbed compressed latent caches them as NoPE dims (compressed across frequencies and heads)
+    instead of spending a rotary pair per component. Computed from the source's own rotary
+    embedding (rope_theta and scaling as transformers applies them)."""
+    if spec.arch.hf_attention is None or config.get("model_type") is None:
+        return ()
+
+    rotary = hf_classes(spec.arch.name)[2](hf_config(config))
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if inv_freq is None:  # a rotary embedding per layer type (Gemma 3): keep every frequency rotary
+        return ()
+    return held_frequencies(inv_freq, min(config.get("max_position_embeddings") or STATIC_SPAN, STATIC_SPAN), angle)
+
+
+def held_frequencies(inv_freq: torch.Tensor, span: int, angle: float) -> tuple[int, ...]:
+    """The frequencies j of inv_freq (d/2,) that turn less than `angle` radians over `span` tokens."""
+    return tuple(int(j) for j in torch.nonzero(inv_freq.double() * span < angle)[:, 0])

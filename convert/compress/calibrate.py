@@ -27,6 +27,16 @@ class LayerStats:
         return torch.cat([top, bottom])
 
 
+@dataclass(frozen=True)
+class CalibrationRun:
+    """How the original model runs over the calibration text, streamed a decoder layer at a
+    time: in rows of `window` tokens, on `device`, in `dtype`."""
+
+    window: int = 1024
+    device: str | torch.device = "cpu"
+    dtype: torch.dtype = torch.float32
+
+
 def windows(token_ids: torch.Tensor, window: int) -> torch.Tensor:
     """(1, N) ids -> (N // window, window) rows (the tail that does not fill a window is dropped)."""
     n = token_ids.shape[-1] // window * window
@@ -38,9 +48,7 @@ def calibrate(
     config: dict,
     token_ids: torch.Tensor,
     n_layers: int,
-    window: int = 1024,
-    device="cpu",
-    dtype=torch.float32,
+    run: CalibrationRun = CalibrationRun(),
     progress=iter,
     observe=None,
 ) -> list[LayerStats]:
@@ -48,8 +56,8 @@ def calibrate(
 
     observe: called as observe(layer, x, decoder, (positions, rotary, mask), stats) after each
     layer's moments, to add what a target needs of the same pass (x (B, L, D) its normed inputs)."""
-    rows = windows(token_ids, min(window, token_ids.shape[-1]))  # (B, L)
-    stream = LayerStream(checkpoint, config, torch.device(device), dtype)
+    rows = windows(token_ids, min(run.window, token_ids.shape[-1]))  # (B, L)
+    stream = LayerStream(checkpoint, config, torch.device(run.device), run.dtype)
     stats = []
     for index, x, decoder, inputs in stream.run(rows, n_layers, progress):
         flat = x.reshape(-1, x.shape[-1]).double().cpu()  # (B·L, D)
@@ -111,22 +119,20 @@ def fisher_calibrate_streamed(
     config: dict,
     token_ids: torch.Tensor,
     n_layers: int,
-    window: int = 1024,
-    device="cpu",
+    run: CalibrationRun = CalibrationRun(),
     progress=iter,
-    dtype=torch.float32,
 ) -> list[LayerStats]:
     """`fisher_calibrate`'s statistics without the whole model in memory: the original model's
     decoder layers are read one at a time from `checkpoint`, forward (keeping each layer's input
     hidden states), then the loss's gradient through the final norm and the lm_head in
     vocabulary chunks, then backward from the last layer to the first, each layer rebuilt and
-    re-run on its stored input. The same K-FAC statistics (in `dtype`, float32 by default as the
+    re-run on its stored input. The same K-FAC statistics (in `run.dtype`, float32 by default as the
     whole model computes them; its loss gradient a little closer to float64's, since the whole
     model's cross-entropy on float32 logits cancels in p − 1 at confident tokens). Memory: one
     decoder layer, one vocabulary chunk, and n_layers × tokens × D hidden states
     (bench/calib_memory.py measures it)."""
-    rows = windows(token_ids, min(window, token_ids.shape[-1]))  # (B, L)
-    stream = LayerStream(checkpoint, config, torch.device(device), dtype)
+    rows = windows(token_ids, min(run.window, token_ids.shape[-1]))  # (B, L)
+    stream = LayerStream(checkpoint, config, torch.device(run.device), run.dtype)
     stored = []  # each layer's input hidden states (B, L, D)
     hidden = stream.embed(rows)
     with torch.no_grad():

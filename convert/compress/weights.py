@@ -7,28 +7,12 @@
   are then in units of loss, comparable across layers, keys and values.
 """
 
-from dataclasses import dataclass
-
 import torch
 
 from convert.arch import AttentionSpec
 from convert.compress.calibrate import LayerStats
-from convert.linalg.weighted import hermitian_pair_weights, psd_sqrt, static_split
+from convert.linalg.weighted import Weighting, hermitian_pair_weights, psd_sqrt, static_split
 from convert.transform import LayerWeights
-
-
-@dataclass
-class Weighting:
-    """Weights of one layer's key and value errors (None: unweighted)."""
-
-    key_moment: torch.Tensor | None = None  # (X, X), X = D (+1 for an affine key latent); q/k norm: E[n nᵀ]
-    key_rows: torch.Tensor | None = None  # (G·d, G·d), real latents
-    key_pairs: torch.Tensor | None = None  # per-frequency complex latents: (G, d/2) diagonal or (d/2, G, G)
-    value_moment: torch.Tensor | None = None  # (D, D)
-    value_rows: torch.Tensor | None = None  # (G·d, G·d)
-    key_static_rows: torch.Tensor | None = None  # (2·G·|S|,)² rows of the static frequencies S (NoPE part)
-    key_cross: torch.Tensor | None = None  # E[y° yᵀ] (X, X): sequential calibration, original vs compressed inputs
-    value_cross: torch.Tensor | None = None  # (D, D)
 
 
 def layer_weighting(

@@ -8,10 +8,27 @@ RoPE latents; `hermitian_pair_weights` gives Fisher row weights), `decoupled_rop
 the budget allocation reads (`weighted_spectrum`, `pair_weighted_moment_spectrum`).
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from convert.linalg.factor import Factor
 from convert.linalg.rope import _rotation_blocks, complex_pairs
+
+
+@dataclass
+class Weighting:
+    """Weights of one layer's key and value errors (None: unweighted); `convert.compress.layer_weighting`
+    gives them per compression method."""
+
+    key_moment: torch.Tensor | None = None  # (X, X), X = D (+1 for an affine key latent); q/k norm: E[n nᵀ]
+    key_rows: torch.Tensor | None = None  # (G·d, G·d), real latents
+    key_pairs: torch.Tensor | None = None  # per-frequency complex latents: (G, d/2) diagonal or (d/2, G, G)
+    value_moment: torch.Tensor | None = None  # (D, D)
+    value_rows: torch.Tensor | None = None  # (G·d, G·d)
+    key_static_rows: torch.Tensor | None = None  # (2·G·|S|,)² rows of the static frequencies S (NoPE part)
+    key_cross: torch.Tensor | None = None  # E[y° yᵀ] (X, X): sequential calibration, original vs compressed inputs
+    value_cross: torch.Tensor | None = None  # (D, D)
 
 
 def psd_sqrt(m: torch.Tensor) -> torch.Tensor:
@@ -179,13 +196,13 @@ def static_split(n_kv_heads: int, head_dim: int, static: tuple[int, ...]):
     return rows(rotary), rows(list(static)), torch.tensor(rotary, dtype=torch.long)
 
 
-def _decoupled_spectra(weight, n_kv_heads, static, pair_weight, moment, static_row_weight):
+def _decoupled_spectra(weight, n_kv_heads, static, weighting: Weighting):
     """(complex spectrum of the rotary part (|R|, k), real spectrum of the static part)."""
-    w = weight.double()
+    w, moment = weight.double(), weighting.key_moment
     rot_rows, st_rows, rotary = static_split(n_kv_heads, w.shape[0] // n_kv_heads, static)
-    pairs = select_freqs(pair_weight, rotary)
+    pairs = select_freqs(weighting.key_pairs, rotary)
     s_rot = pair_weighted_moment_spectrum(w[rot_rows], n_kv_heads, pairs, moment)
-    return s_rot, weighted_spectrum(w[st_rows], static_row_weight, moment)
+    return s_rot, weighted_spectrum(w[st_rows], weighting.key_static_rows, moment)
 
 
 def _per_dim(s_rot: torch.Tensor, s_static: torch.Tensor) -> list[tuple[float, int, int]]:
@@ -196,10 +213,11 @@ def _per_dim(s_rot: torch.Tensor, s_static: torch.Tensor) -> list[tuple[float, i
     return sorted(comps, key=lambda c: -c[0])
 
 
-def decoupled_spectrum(weight, n_kv_heads, static, pair_weight=None, moment=None, static_row_weight=None):
+def decoupled_spectrum(weight, n_kv_heads, static, weighting: Weighting | None = None):
     """The key latent's spectrum per cache dim (descending, cost 1 each) for budget allocation:
-    each complex component of the rotary part as two dims of |s|/√2, each static one as itself."""
-    s_rot, s_static = _decoupled_spectra(weight, n_kv_heads, static, pair_weight, moment, static_row_weight)
+    each complex component of the rotary part as two dims of |s|/√2, each static one as itself.
+    weighting: its key pairs, key moment and static rows (None: unweighted)."""
+    s_rot, s_static = _decoupled_spectra(weight, n_kv_heads, static, weighting or Weighting())
     values = [value for value, dims, _ in _per_dim(s_rot, s_static) for _ in range(dims)]
     return torch.tensor(values, dtype=torch.float64).sqrt()
 
@@ -209,10 +227,7 @@ def decoupled_rope_factor(
     n_kv_heads: int,
     rank: int,
     static: tuple[int, ...],
-    pair_weight: torch.Tensor | None = None,
-    moment: torch.Tensor | None = None,
-    static_row_weight: torch.Tensor | None = None,
-    cross: torch.Tensor | None = None,
+    weighting: Weighting | None = None,
 ) -> Factor:
     """Rank-`rank` RoPE key latent [rotary pairs (2P) | static NoPE dims (n)] under the weighted error.
 
@@ -221,12 +236,15 @@ def decoupled_rope_factor(
     the one-frequency-per-pair constraint; the others by `weighted_rope_factor`. The `rank` dims
     go to whichever components remove the most weighted error per dim (a complex component
     costs two). `freq_index` (P,) covers the first 2P dims; RoPE of the latent leaves the rest.
-    static_row_weight: the row weight of the static rows (`static_split`), e.g. Fisher's.
+    weighting: the key's pair weights, moment, cross moment and the row weight of the static rows
+    (`static_split`, e.g. Fisher's); None: unweighted.
     """
+    weighting = weighting or Weighting()
+    moment, cross = weighting.key_moment, weighting.key_cross
     w = weight.double()
     rows, cols = w.shape
     rot_rows, st_rows, rotary = static_split(n_kv_heads, rows // n_kv_heads, static)
-    s_rot, s_static = _decoupled_spectra(w, n_kv_heads, static, pair_weight, moment, static_row_weight)
+    s_rot, s_static = _decoupled_spectra(w, n_kv_heads, static, weighting)
     left, n_pairs, n_static = rank, 0, 0
     for _, dims, _ in _per_dim(s_rot, s_static):
         if dims <= left:
@@ -235,12 +253,12 @@ def decoupled_rope_factor(
     up, down = torch.zeros(rows, rank, dtype=torch.float64), torch.zeros(rank, cols, dtype=torch.float64)
     kept, freq = [], torch.zeros(0, dtype=torch.long)
     if n_pairs:
-        pairs = select_freqs(pair_weight, rotary)
+        pairs = select_freqs(weighting.key_pairs, rotary)
         rot = weighted_rope_factor(w[rot_rows], n_kv_heads, 2 * n_pairs, pairs, moment, cross)
         up[rot_rows, : 2 * n_pairs], down[: 2 * n_pairs], freq = rot.up, rot.down, rotary[rot.freq_index]
         kept.append(rot.kept)
     if n_static:
-        nope = weighted_factor(w[st_rows], n_static, static_row_weight, moment, cross)
+        nope = weighted_factor(w[st_rows], n_static, weighting.key_static_rows, moment, cross)
         up[st_rows, 2 * n_pairs : 2 * n_pairs + n_static] = nope.up
         down[2 * n_pairs : 2 * n_pairs + n_static] = nope.down
         kept.append(nope.kept)

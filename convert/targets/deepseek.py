@@ -5,7 +5,7 @@ shared `k_pe`, each query head zero outside its own group's block, RoPE as longr
 give each interleaved pair the source's own frequency, the latent norms neutralized by a constant.
 `to_deepseek_v3` builds it (tensors and config), `check_exportable` refuses what DeepSeek-V3
 cannot hold exactly; both DeepSeek-V3 targets share the rest (`export_spec`, `pass_through_names`,
-`deepseek_config_fields`, `export_sizes`). The construction tensor by tensor, its precision and
+`deepseek_config_fields`, `export_sizes`, `export_source` and `export_model` for `to_mla`). The construction tensor by tensor, its precision and
 size: docs/design.md, "Deployment targets".
 """
 
@@ -20,11 +20,12 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Rotar
 
 from convert.arch import AttentionSpec, resolve_attention
 from convert.errors import ConvertError
-from convert.hf import hf_classes, hf_config
+from convert.hf import build_causal_lm, hf_classes, hf_config, load_strict
 from convert.io.reader import dtype_itemsize
+from convert.layouts import attention_view
 from convert.linalg.heads import group_of_head
 from convert.options import dtype_name
-from convert.plan import make_plan
+from convert.plan import make_plan, resolve_spec
 from convert.progress import progress
 from convert.source import StateDictSource, check_layer, read_layer
 from convert.transform import LayerWeights
@@ -303,7 +304,10 @@ def deepseek_rope_parameters(rope: SourceRope, n_kv_heads: int) -> tuple[dict, f
     return params, float(max(short_err.max(), long_err.max()))
 
 
-def deepseek_config_fields(hf_src, spec: AttentionSpec, geo: DeepseekGeometry, rope_params: dict, dtype) -> dict:
+def deepseek_config_fields(hf_src, spec: AttentionSpec, attention: dict, dtype) -> dict:
+    """The config fields of a dense DeepseekV3ForCausalLM holding the source, every head reading the
+    latent; `attention`: the target's own attention fields (q_lora_rank, kv_lora_rank,
+    qk_rope_head_dim, qk_nope_head_dim, v_head_dim, rope_parameters), merged in."""
     layers = spec.n_layers
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -311,15 +315,10 @@ def deepseek_config_fields(hf_src, spec: AttentionSpec, geo: DeepseekGeometry, r
         "hidden_size": spec.hidden_size,
         "intermediate_size": hf_src.intermediate_size,
         "num_hidden_layers": layers,
-        "num_attention_heads": geo.n_heads,
-        "num_key_value_heads": geo.n_heads,  # the latent expands to every head
-        "q_lora_rank": geo.q_lora_rank,
-        "kv_lora_rank": geo.kv_lora_rank,
-        "qk_rope_head_dim": geo.rope_dim,
-        "qk_nope_head_dim": 0,
-        "v_head_dim": geo.head_dim,
-        "attention_bias": True,  # carries the latent-norm constant (and the source's biases)
-        "rope_parameters": rope_params,
+        "num_attention_heads": spec.n_heads,
+        "num_key_value_heads": spec.n_heads,  # the latent expands to every head
+        **attention,
+        "attention_bias": True,  # carries the latent-norm constant (transformers target: the source's biases too)
         "rope_interleave": True,
         # dense MLP everywhere; the MoE fields are unused but must be ints
         "first_k_dense_replace": layers,
@@ -428,7 +427,15 @@ def to_deepseek_v3(state_dict: dict[str, torch.Tensor], config, dtype=None) -> t
         norm_exponent=NORM_EXPONENT[dtype],
     )
 
-    fields = deepseek_config_fields(hf_src, spec, geo, rope_params, dtype)
+    attention = {
+        "q_lora_rank": geo.q_lora_rank,
+        "kv_lora_rank": geo.kv_lora_rank,
+        "qk_rope_head_dim": geo.rope_dim,
+        "qk_nope_head_dim": 0,
+        "v_head_dim": geo.head_dim,
+        "rope_parameters": rope_params,
+    }
+    fields = deepseek_config_fields(hf_src, spec, attention, dtype)
     ds_config = DeepseekV3Config(**fields)
     _check_installed_rope(ds_config, rope, spec.n_kv_heads)
 
@@ -470,6 +477,20 @@ def check_deepseek(spec: AttentionSpec, target: str) -> None:
             f"--target {target} writes DeepSeek-V3's MLP (gate_proj, up_proj), and {spec.arch.name}'s fused "
             "gate_up_proj is not split for it; use --target mla (the default), which keeps the MLP as it is"
         )
+
+
+def export_source(state: dict, config: dict, opts, target: str):
+    """`to_mla`'s in-memory source for a DeepSeek-V3 target, after the same refusals as a conversion."""
+    source = attention_view(StateDictSource(state, config), config)
+    check_deepseek(resolve_spec(source, config, opts), target)
+    return source
+
+
+def export_model(tensors: dict, config: dict, dtype: torch.dtype, device, target: str):
+    """An export's tensors and config as transformers' DeepseekV3ForCausalLM, in memory, in eval mode."""
+    model = build_causal_lm(config, dtype, device=device)
+    load_strict(model, tensors, f"the --target {target} export")
+    return model.eval()
 
 
 def exporting(tensors, total: int, enabled: bool):

@@ -116,9 +116,10 @@ def _calibration(source, spec: AttentionSpec, opts: ConvertOptions):
     source = getattr(source, "module_source", source)  # as the original model's modules read it (Phi-3: unsplit)
     ids = calibration_ids(source, opts)
     if opts.resolved_method == "fisher":  # one decoder layer at a time, forward then backward
-        bar = _bar("calibrating (Fisher)", "layer", opts.progress)
+        bar = progress_bar("calibrating (Fisher)", "layer", opts.progress)
         return compress.fisher_calibrate_streamed(source, config, ids, spec.n_layers, progress=bar)
-    return compress.calibrate(source, config, ids, spec.n_layers, progress=_bar("calibrating", "layer", opts.progress))
+    bar = progress_bar("calibrating", "layer", opts.progress)
+    return compress.calibrate(source, config, ids, spec.n_layers, progress=bar)
 
 
 def calibration_ids(source, opts: ConvertOptions) -> torch.Tensor:
@@ -131,7 +132,7 @@ def calibration_ids(source, opts: ConvertOptions) -> torch.Tensor:
     return ids[:, : opts.calib_tokens]
 
 
-def _bar(desc: str, unit: str, enabled: bool):
+def progress_bar(desc: str, unit: str, enabled: bool):
     """Progress over an iterable: a bar on a terminal, log lines otherwise, nothing when quiet."""
     return lambda items: progress(items, desc, unit, enabled)
 
@@ -156,7 +157,7 @@ def layer_tensors(source, plan: ConversionPlan, opts: ConvertOptions, stats, inf
         return convert_layer(weights, spec, opts.latent, opts.layout, plan.layers[layer].ranks, weighting, dtype)
 
     workers = 1 if sequential is not None else plan.layer_workers()
-    layers = _bar("converting", "layer", opts.progress)(range(spec.n_layers))
+    layers = progress_bar("converting", "layer", opts.progress)(range(spec.n_layers))
     for layer, (tensors, info) in zip(layers, in_order(convert_one, range(spec.n_layers), workers)):
         prefix = spec.prefix(layer)
         for name in plan.layers[layer].shapes:

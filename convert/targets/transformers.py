@@ -5,13 +5,18 @@ loads without custom code (the construction: `convert.targets.deepseek`; docs/de
 import torch
 
 from convert.arch import AttentionSpec
-from convert.hf import build_causal_lm, load_pretrained, load_strict
-from convert.layouts import attention_view
+from convert.hf import load_pretrained
 from convert.options import ConvertOptions
 from convert.plan import resolve_spec
-from convert.source import StateDictSource
 from convert.targets import Build
-from convert.targets.deepseek import check_deepseek, export_sizes, exporting, to_deepseek_v3
+from convert.targets.deepseek import (
+    check_deepseek,
+    export_model,
+    export_sizes,
+    export_source,
+    exporting,
+    to_deepseek_v3,
+)
 
 NAME = "transformers"
 NOTE = (
@@ -51,12 +56,9 @@ def build(source, opts: ConvertOptions) -> Build:
 
 def model(state: dict[str, torch.Tensor], config: dict, opts: ConvertOptions, dtype: torch.dtype, device):
     """`to_mla(target="transformers")`: the export as a DeepseekV3ForCausalLM, in memory."""
-    source = attention_view(StateDictSource(state, config), config)
-    check(resolve_spec(source, config, opts), opts)  # the same refusals as a conversion
+    export_source(state, config, opts, NAME)  # the same refusals as a conversion
     tensors, export_config = to_deepseek_v3(state, config)
-    export = build_causal_lm(export_config, dtype, device=device)
-    load_strict(export, tensors, f"the --target {NAME} export")
-    return export.eval()
+    return export_model(tensors, export_config, dtype, device, NAME)
 
 
 def load(path, device, dtype):

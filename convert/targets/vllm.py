@@ -4,9 +4,10 @@ vLLM's MLA takes `kv_lora_rank` 512 + `qk_rope_head_dim` 64: one `k_pe` of 64 ro
 every head, one frequency set, no attention biases. Per rotary slot the key heads' pairs are mixed
 into `k_pe` (`rotary_directions`); the rest of each key loses its rotation, stood in for by fitted
 maps (`convert.targets.nope_fit`, via `rotation_fit_observer`), and shares the latent with the values
-(`latent_factor`); the latent norm is made linear. `to_vllm_deepseek` / `vllm_export` build it,
-`check_vllm_exportable` refuses what vLLM would serve wrongly, `match_vllm_norms` fixes transformers'
-latent-norm eps. The construction tensor by tensor: docs/design.md, "Deployment targets".
+(`latent_factor`); the latent norm is made linear, in vLLM by its eps and in stock transformers by a
+latent bias vLLM skips (`NORM_ROWS`), so both compute one model. `to_vllm_deepseek` / `vllm_export`
+build it, `check_vllm_exportable` refuses what vLLM would serve wrongly, `match_vllm_norms` fixes
+transformers' latent-norm eps on exports written without that bias. The construction tensor by tensor: docs/design.md, "Deployment targets".
 """
 
 import math
@@ -22,14 +23,12 @@ from convert.arch import AttentionSpec
 from convert.compress.sequential import SequentialCalibration
 from convert.compress.weights import ridge
 from convert.errors import ConvertError
-from convert.hf import build_causal_lm, hf_config, load_pretrained, load_strict
+from convert.hf import hf_config, load_pretrained
 from convert.io.reader import dtype_itemsize
-from convert.layouts import attention_view
 from convert.linalg.factor import Factor
 from convert.linalg.heads import group_of_head
 from convert.linalg.weighted import psd_sqrt, weighted_factor
 from convert.plan import resolve_spec
-from convert.progress import progress
 from convert.source import LazyTensors, StateDictSource, check_layer, read_layer
 from convert.targets import Build
 from convert.targets.deepseek import (
@@ -37,12 +36,14 @@ from convert.targets.deepseek import (
     check_deepseek,
     check_exportable,
     deepseek_config_fields,
+    export_model,
     export_sizes,
+    export_source,
     export_spec,
     exporting,
     pass_through_names,
 )
-from convert.targets.mla import calibration_ids
+from convert.targets.mla import calibration_ids, progress_bar
 from convert.targets.nope_fit import (
     SAMPLES,
     additive_mask,
@@ -61,6 +62,16 @@ from convert.transform import LayerWeights
 KV_LORA_RANK = 512
 ROPE_DIM = 64
 NORM_EPS = 2.0**40  # rms_norm_eps of the export: the latent norm is linear
+#: The latent's last NORM_ROWS dims hold, in `kv_a_proj_with_mqa.bias`, the constant NORM_BIAS and
+#: nothing else (zero weight rows, zero norm weight, zero kv_b_proj columns). vLLM builds that Linear
+#: without a bias and skips the tensor, so it reads zeros there and its latent norm's eps (rms_norm_eps)
+#: makes the norm linear; stock transformers, whose DeepseekV3 hard-codes that eps to 1e-6, adds the
+#: bias (`attention_bias: true`), and the rows' mean square NORM_ROWS·NORM_BIAS²/512 = 2^40 = NORM_EPS
+#: does the same: both compute one model, exactly in bfloat16 too (2^24 is exact).
+NORM_ROWS = 2
+NORM_BIAS = 2.0**24
+LATENT_DIMS = KV_LORA_RANK - NORM_ROWS  # latent dims the export may use
+assert NORM_ROWS * NORM_BIAS**2 / KV_LORA_RANK == NORM_EPS
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
@@ -167,16 +178,29 @@ def latent_content_rank(spec: AttentionSpec) -> int:
     return ROPE_DIM * (spec.n_kv_heads * fold(spec.head_dim) - 1) + spec.n_kv_heads * spec.head_dim
 
 
+@dataclass(frozen=True)
+class LatentFit:
+    """How one layer's latent is factored (`latent_factor`): the dims it may use (at most
+    `LATENT_DIMS`), the layer's calibration statistics (`convert.compress.calibrate`'s `LayerStats`,
+    with the Fisher rows when calibrated for them) and sequential calibration's `SequentialStats` of
+    the layer (the compressed model's inputs; None: the original's)."""
+
+    rank: int = LATENT_DIMS
+    layer_stats: object = None
+    inputs: object = None
+
+
 def latent_factor(
-    remainder: torch.Tensor, value: torch.Tensor, spec: AttentionSpec, rank: int, layer_stats=None, inputs=None
+    remainder: torch.Tensor, value: torch.Tensor, spec: AttentionSpec, fit: LatentFit = LatentFit()
 ) -> tuple[Factor, bool]:
     """The latent's down-projection and the keys' and values' up-projections: a factor of
     [r; W^V] (2·G·d, D). (factor, compressed): exact (plain SVD at the content's rank) when
-    `latent_content_rank` fits in `rank`; otherwise the compression module's best rank-`rank`
+    `latent_content_rank` fits in `fit.rank`; otherwise the compression module's best rank-`fit.rank`
     factor (`weighted_factor`: M-whitened, rows weighted by the key and value Fisher
     information when the stats carry it — loss units, so keys and values share the budget).
-    inputs: sequential calibration's `SequentialStats` of the layer (M of the compressed model's
-    inputs, and the up-projections refit to the original layer's outputs), else the original's."""
+    With `fit.inputs` M is the compressed model's inputs' and the up-projections are refit to the
+    original layer's outputs; else M is the original's."""
+    rank, layer_stats, inputs = fit.rank, fit.layer_stats, fit.inputs
     content = torch.cat([remainder, value.double()])  # (2·G·d, D)
     need = min(latent_content_rank(spec), content.shape[1])
     if need <= rank:
@@ -199,9 +223,7 @@ def attention_tensors(
     q_scale: float,
     s: float,
     stand_in: torch.Tensor | None = None,
-    rank: int = KV_LORA_RANK,
-    layer_stats=None,
-    inputs=None,
+    latent: LatentFit = LatentFit(),
 ) -> tuple[dict[str, torch.Tensor], bool]:
     """One layer's DeepseekV3Attention tensors (float64), by name relative to `self_attn.`, and
     whether its latent is compressed (`latent_factor`).
@@ -210,7 +232,8 @@ def attention_tensors(
     h and pair j, [h, 0, j] the (α, β) of its position-free (NoPE) terms, which stand in for the
     dropped rotation as q_hᵀ [[α, β], [-β, α]] r, and [h, 1, j] the (α', β') of the map added to
     its rotary query (`convert.targets.nope_fit`); default the terms unrotated, nothing added.
-    rank: latent dims used (the rest of the 512 zero). layer_stats, inputs: `latent_factor`'s."""
+    latent: how the latent is factored (`latent_factor`); of the 512 dims those it does not use
+    are zero but the norm's constant rows (`NORM_ROWS`)."""
     G, d, H = spec.n_kv_heads, spec.head_dim, spec.n_heads
     f = fold(d)
     first, second = rotate_half_pairs(d)
@@ -232,19 +255,25 @@ def attention_tensors(
     k_pe = torch.stack([k0[: ROPE_DIM // 2], k0[ROPE_DIM // 2 :]], dim=1).reshape(ROPE_DIM, hidden)
     q_nope = torch.cat([alpha * q1 - beta * q2, beta * q1 + alpha * q2], dim=1)  # (H, d, D), W^Q's row layout
 
-    factor, compressed = latent_factor(remainder, w.v, spec, rank, layer_stats, inputs)
+    factor, compressed = latent_factor(remainder, w.v, spec, latent)
     used = factor.down.shape[0]
     latent = torch.zeros(KV_LORA_RANK, hidden, dtype=torch.float64)
     latent[:used] = factor.down
     up = torch.zeros(2, G, d, KV_LORA_RANK, dtype=torch.float64)
     up[..., :used] = factor.up.reshape(2, G, d, used)  # [keys' remainder | values] per group
     kv_b = torch.cat([up[0, groups], up[1, groups]], dim=1)  # (H, 2d, 512): head h reads its group's
+    latent_bias = torch.zeros(KV_LORA_RANK + ROPE_DIM, dtype=torch.float64)
+    latent_bias[LATENT_DIMS:KV_LORA_RANK] = NORM_BIAS  # transformers' stand-in for the eps (`NORM_ROWS`)
+    norm_weight = torch.full((KV_LORA_RANK,), math.sqrt(NORM_EPS), dtype=torch.float64)
+    norm_weight[LATENT_DIMS:] = 0.0
     tensors = {
         "q_proj.weight": (q_scale * torch.cat([q_nope, q_pe], dim=1)).reshape(H * (d + ROPE_DIM), hidden),
         "kv_a_proj_with_mqa.weight": torch.cat([latent, k_pe]),  # (512 + 64, D)
-        "kv_a_layernorm.weight": torch.full((KV_LORA_RANK,), math.sqrt(NORM_EPS), dtype=torch.float64),
+        "kv_a_proj_with_mqa.bias": latent_bias,  # (512 + 64,): read by transformers only
+        "kv_a_layernorm.weight": norm_weight,
         "kv_b_proj.weight": kv_b.reshape(H * 2 * d, KV_LORA_RANK),
         "o_proj.weight": s * w.o.double(),  # (D, H·d)
+        "o_proj.bias": torch.zeros(hidden, dtype=torch.float64),  # attention_bias asks for it; vLLM skips it
     }
     return tensors, compressed
 
@@ -344,7 +373,7 @@ def rope_frequencies(hf_src, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]
     return source, slots.repeat_interleave(fold(head_dim))
 
 
-def needs_compression(spec: AttentionSpec, hidden: int, rank: int = KV_LORA_RANK) -> bool:
+def needs_compression(spec: AttentionSpec, hidden: int, rank: int = LATENT_DIMS) -> bool:
     """The position-free keys and the values need more than the latent's `rank` dims (7B+: G·d large)."""
     return min(latent_content_rank(spec), hidden) > rank
 
@@ -425,48 +454,48 @@ def rotation_fit_observer(source, spec: AttentionSpec, config, samples: int = SA
     return observe
 
 
+@dataclass(frozen=True)
+class ExportChoices:
+    """How a vllm export is made, besides the source (`to_vllm_deepseek`, `vllm_export`).
+
+    stats: per-layer calibration statistics (`convert.compress.calibrate`; needed when G > 1 or
+    d > 64; with `rotation_fit_observer` they also carry the fitted stand-in for the dropped
+    rotations; with the Fisher statistics a compressed latent is weighted in loss units).
+    dtype: of every tensor written (a torch dtype or its name; default the source's query weight
+    dtype). stand_in, span: `position_free_stand_in`. rank: latent dims used of vLLM's 512, at
+    most `LATENT_DIMS` (the rest zero but the norm's `NORM_ROWS`): below the content's, the latent
+    is compressed. sequential: a `SequentialLatents` on the source and the calibration text: a
+    compressed latent is then factored for the inputs the export's own layers give it (GPTQ's order).
+    """
+
+    stats: list | None = None
+    dtype: torch.dtype | str | None = None
+    stand_in: str = "fit"
+    span: int = 1024
+    rank: int = LATENT_DIMS
+    sequential: "SequentialLatents | None" = None
+
+
 def to_vllm_deepseek(
-    state_dict: dict[str, torch.Tensor],
-    config,
-    stats=None,
-    dtype=None,
-    stand_in: str = "fit",
-    span: int = 1024,
-    rank: int = KV_LORA_RANK,
-    sequential=None,
+    state_dict: dict[str, torch.Tensor], config, choices: ExportChoices = ExportChoices()
 ) -> tuple[dict, dict]:
     """Export a GQA model (Llama, Mistral) as a DeepseekV3ForCausalLM that vLLM serves with MLA.
 
     state_dict: the source's tensors (HF names). config: its config.json dict or a
-    transformers config. stats: per-layer calibration statistics
-    (`convert.compress.calibrate`; needed when G > 1 or d > 64; with `rotation_fit_observer` they
-    also carry the fitted stand-in for the dropped rotations; with the Fisher statistics a
-    compressed latent is weighted in loss units). dtype: of every tensor written (default the
-    source's query weight dtype). stand_in, span: `position_free_stand_in`. rank: latent dims
-    used of vLLM's 512 (the rest zero): below the content's, the latent is compressed.
-    sequential: a `SequentialLatents` on the source and the calibration text: a compressed
-    latent is then factored for the inputs the export's own layers give it (GPTQ's order).
+    transformers config. choices: calibration statistics, dtype, stand-in, latent rank
+    (`ExportChoices`; the default: uncalibrated, which only G = 1, d = 64 allows).
 
     Returns (state_dict, config_dict) with `model_type: deepseek_v3`. Exact for G = 1, d = 64;
     otherwise lossy by construction (docs/design.md, "Deployment targets"): only 64 rotary key dims. Raises
     ConvertError for what vLLM would serve wrongly (docs/design.md, "Deployment targets"). `vllm_export` gives the
     same a tensor at a time.
     """
-    _, config, tensors = vllm_export(state_dict, config, stats, dtype, stand_in, span, rank, sequential)
+    _, config, tensors = vllm_export(state_dict, config, choices)
     out = dict(tensors)
     return out, config
 
 
-def vllm_export(
-    state_dict,
-    config,
-    stats=None,
-    dtype=None,
-    stand_in: str = "fit",
-    span: int = 1024,
-    rank: int = KV_LORA_RANK,
-    sequential=None,
-):
+def vllm_export(state_dict, config, choices: ExportChoices = ExportChoices()):
     """`to_vllm_deepseek` a tensor at a time: (layout {name: (shape, dtype)}, config_dict, an
     iterator of (name, tensor)). Every refusal comes before it returns; config_dict's
     `convert_export` is complete once the iterator is exhausted. state_dict: any mapping of
@@ -475,11 +504,14 @@ def vllm_export(
     """
     config, source, spec = resolve_vllm_spec(state_dict, config)
     hf_src = hf_config(config)
-    dtype = as_dtype(dtype) or source.dtype(spec.tensor(0, "q"))
-    check_vllm_exportable(config, spec, source, dtype, stats is not None)
+    dtype = as_dtype(choices.dtype) or source.dtype(spec.tensor(0, "q"))
+    check_vllm_exportable(config, spec, source, dtype, choices.stats is not None)
     check_exportable(hf_src, dtype if dtype != torch.float16 else torch.float32)
-    if not 0 < rank <= KV_LORA_RANK:
-        raise ValueError(f"rank {rank}: the latent holds 1 to {KV_LORA_RANK} dims")
+    if not 0 < choices.rank <= LATENT_DIMS:
+        raise ValueError(
+            f"rank {choices.rank}: the latent holds 1 to {LATENT_DIMS} dims ({NORM_ROWS} of vLLM's {KV_LORA_RANK} carry "
+            "the latent norm's constant for transformers)"
+        )
     names = pass_through_names(state_dict, spec)
     for layer in range(spec.n_layers):
         check_layer(source, spec, layer)
@@ -487,18 +519,16 @@ def vllm_export(
     geo = vllm_geometry(spec)
     q_scale = spec.softmax_scale * math.sqrt(geo["nope"] + geo["rope"])  # DeepSeek's scale is 1/sqrt(nope + rope)
     s = math.sqrt(NORM_EPS / hf_src.rms_norm_eps)
-    fields = deepseek_config_fields(hf_src, spec, _Geo(spec, geo), {}, dtype)
-    fields |= {
+    attention = {
+        "q_lora_rank": None,
         "kv_lora_rank": KV_LORA_RANK,
         "qk_rope_head_dim": ROPE_DIM,
         "qk_nope_head_dim": geo["nope"],
         "v_head_dim": geo["v"],
-        "q_lora_rank": None,
-        "attention_bias": False,
-        "rms_norm_eps": NORM_EPS,
         "rope_parameters": export_rope_parameters(hf_src),
-        "rope_interleave": True,
     }
+    # the fields' attention_bias carries the latent norm's constant (`NORM_ROWS`): transformers reads it, vLLM skips it
+    fields = deepseek_config_fields(hf_src, spec, attention, dtype) | {"rms_norm_eps": NORM_EPS}
     result = DeepseekV3Config(**fields).to_dict()
     result["rope_theta"] = fields["rope_parameters"]["rope_theta"]  # older readers (vLLM's transformers < 5.20)
 
@@ -512,12 +542,14 @@ def vllm_export(
         layout |= {
             prefix + "q_proj.weight": ((H * (d + ROPE_DIM), hidden), dtype),
             prefix + "kv_a_proj_with_mqa.weight": ((KV_LORA_RANK + ROPE_DIM, hidden), dtype),
+            prefix + "kv_a_proj_with_mqa.bias": ((KV_LORA_RANK + ROPE_DIM,), dtype),
             prefix + "kv_a_layernorm.weight": ((KV_LORA_RANK,), dtype),
             prefix + "kv_b_proj.weight": ((H * 2 * d, KV_LORA_RANK), dtype),
             prefix + "o_proj.weight": ((hidden, H * d), dtype),
+            prefix + "o_proj.bias": ((hidden,), dtype),
         }
     plan = _ExportPlan(state_dict, source, spec, hf_src, config, result, names, head, dtype, s, q_scale)
-    return layout, result, _export_tensors(plan, stats, stand_in, span, rank, sequential)
+    return layout, result, _export_tensors(plan, choices)
 
 
 @dataclass
@@ -537,7 +569,7 @@ class _ExportPlan:
     q_scale: float
 
 
-def _export_tensors(plan: _ExportPlan, stats, stand_in: str, span: int, rank: int, sequential):
+def _export_tensors(plan: _ExportPlan, choices: ExportChoices):
     """`vllm_export`'s tensors, in `layout`'s order (the pass-through ones, lm_head, the layers')."""
     state_dict, source, spec, hf_src, config, result = (
         plan.state_dict,
@@ -548,6 +580,7 @@ def _export_tensors(plan: _ExportPlan, stats, stand_in: str, span: int, rank: in
         plan.result,
     )
     dtype, s, q_scale = plan.dtype, plan.s, plan.q_scale
+    stats, sequential = choices.stats, choices.sequential
     for name in plan.names:
         tensor = state_dict[name]
         scale = s if name == "model.embed_tokens.weight" or name.endswith("mlp.down_proj.weight") else None
@@ -560,11 +593,12 @@ def _export_tensors(plan: _ExportPlan, stats, stand_in: str, span: int, rank: in
         layer_stats = stats[layer] if stats is not None else None
         u, kept = rotary_directions(weights, spec, layer_stats.moment if layer_stats is not None else None)
         retained.append(kept)
-        terms = position_free_stand_in(stand_in, layer_stats, spec.n_heads, inv_freq, span)
+        terms = position_free_stand_in(choices.stand_in, layer_stats, spec.n_heads, inv_freq, choices.span)
         fitted.append(terms is not None)
         prefix = spec.prefix(layer)
         inputs = sequential.stats(layer) if sequential is not None else None
-        tensors, squeezed = attention_tensors(weights, spec, u, q_scale, s, terms, rank, layer_stats, inputs)
+        latent = LatentFit(choices.rank, layer_stats, inputs)
+        tensors, squeezed = attention_tensors(weights, spec, u, q_scale, s, terms, latent)
         compressed.append(squeezed)
         if sequential is not None:
             sequential.advance(layer, tensors, result, s)
@@ -583,10 +617,10 @@ def _export_tensors(plan: _ExportPlan, stats, stand_in: str, span: int, rank: in
         "exact": exact,
         "frequency_fold": fold(spec.head_dim),
         "rotary_key_energy_kept": retained,
-        "position_free_terms": "exact" if exact else (stand_in if all(fitted) else "nope"),
+        "position_free_terms": "exact" if exact else (choices.stand_in if all(fitted) else "nope"),
         "source_rope_type": source_rope_type(config),
         "latent_content_dims": latent_content_rank(spec),
-        "latent_dims_used": min(rank, latent_content_rank(spec), spec.hidden_size),
+        "latent_dims_used": min(choices.rank, latent_content_rank(spec), spec.hidden_size),
         "latent_compressed": any(compressed),
         "latent_weighting": _weighting_name(stats) if any(compressed) else None,
         "latent_calibration": ("sequential" if sequential is not None else "original") if any(compressed) else None,
@@ -647,7 +681,7 @@ class ExportAttention(torch.nn.Module):
         weights = {name: t.float() for name, t in tensors.items()}
         weights["o_proj.weight"] = weights["o_proj.weight"] / s
         self.attention.load_state_dict(weights)
-        _set_latent_norm_eps(self.attention, config.rms_norm_eps)
+        _match_vllm_norm(self.attention, config.rms_norm_eps)
         self.rotary = DeepseekV3RotaryEmbedding(config)
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, **kwargs):
@@ -659,27 +693,28 @@ class ExportAttention(torch.nn.Module):
         return self.attention(hidden_states, position_embeddings=rotary, attention_mask=mask)
 
 
-class _Geo:
-    """What `deepseek_config_fields` reads of a geometry."""
-
-    def __init__(self, spec: AttentionSpec, geo: dict):
-        self.n_heads, self.q_lora_rank, self.kv_lora_rank = spec.n_heads, None, KV_LORA_RANK
-        self.rope_dim, self.head_dim = ROPE_DIM, geo["v"]
+#: Tensors of an export vLLM never reads (its attention Linears have no biases): healing leaves them.
+VLLM_SKIPS = ("self_attn.kv_a_proj_with_mqa.bias", "self_attn.o_proj.bias")
 
 
 def match_vllm_norms(model) -> None:
-    """Give transformers' DeepseekV3 the latent-norm eps vLLM uses (the config's rms_norm_eps).
+    """Make transformers' DeepseekV3 compute what vLLM does on an export of this target.
 
-    transformers hard-codes `kv_a_layernorm`'s eps to 1e-6; vLLM uses `rms_norm_eps`, which
-    the vllm target sets to 2^40. Call this on a loaded DeepseekV3ForCausalLM before
-    comparing it with vLLM or the original.
-    """
+    transformers hard-codes `kv_a_layernorm`'s eps to 1e-6; vLLM uses `rms_norm_eps` (2^40 here).
+    An export carries the difference itself (`NORM_ROWS`: a latent bias transformers reads and vLLM
+    skips), so stock transformers needs nothing and this leaves it alone; on an export written
+    before that (no `kv_a_proj_with_mqa.bias`) it sets the eps to the config's. Also marks the
+    attention biases vLLM skips as not to be trained (`convert.healing`)."""
     for layer in model.model.layers:
-        _set_latent_norm_eps(layer.self_attn, model.config.rms_norm_eps)
+        _match_vllm_norm(layer.self_attn, model.config.rms_norm_eps)
+    model.untrained_parameters = VLLM_SKIPS
 
 
-def _set_latent_norm_eps(attention: torch.nn.Module, eps: float) -> None:
-    """A DeepseekV3Attention's `kv_a_layernorm` eps (transformers names it variance_epsilon)."""
+def _match_vllm_norm(attention: torch.nn.Module, eps: float) -> None:
+    """A DeepseekV3Attention's latent norm as vLLM computes it: as it is with the latent bias
+    (`NORM_ROWS`), else with its eps (transformers names it variance_epsilon) set to `eps`."""
+    if getattr(attention.kv_a_proj_with_mqa, "bias", None) is not None:
+        return
     norm = attention.kv_a_layernorm
     setattr(norm, "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps", eps)
 
@@ -689,9 +724,11 @@ def _set_latent_norm_eps(attention: torch.nn.Module, eps: float) -> None:
 NAME = "vllm"
 #: What other runtimes make of this output.
 FOREIGN = (
-    "stock transformers loads it as a DeepseekV3ForCausalLM but computes ANOTHER model: its latent norm "
-    "hard-codes eps 1e-6 where vLLM honours the export's rms_norm_eps (2^40, a linear latent norm); call "
-    "convert.targets.vllm.match_vllm_norms(model) after from_pretrained, or load it with convert.verify.load_export"
+    "stock transformers loads it as a DeepseekV3ForCausalLM and computes the model vLLM serves: its latent "
+    "norm hard-codes eps 1e-6 where vLLM honours rms_norm_eps (2^40), and the export's latent bias, which only "
+    "transformers reads (vLLM skips attention biases), makes up the difference; exports written before that "
+    "need convert.targets.vllm.match_vllm_norms(model) after from_pretrained. Training it elsewhere: vLLM "
+    "ignores kv_a_proj_with_mqa.bias and o_proj.bias, so keep them frozen (convert heal does)"
 )
 #: How the vllm target's compressed latent is calibrated unless --calibration says: original measured
 #: better at 75% and 25% of the latent's need on SmolLM2, sequential at 50% (bench/vllm_latent.py).
@@ -728,13 +765,11 @@ def build(source, opts) -> Build:
 def model(state: dict, config: dict, opts, dtype: torch.dtype, device):
     """`to_mla(target="vllm")`: the export as transformers' DeepseekV3ForCausalLM with vLLM's
     latent-norm eps (`match_vllm_norms`), in memory."""
-    source = attention_view(StateDictSource(state, config), config)
-    check(resolve_spec(source, config, opts), opts)  # the same refusals as a conversion
+    source = export_source(state, config, opts, NAME)  # the same refusals as a conversion
     _, export_config, tensors = export_tensors(source, state, opts)
-    export = build_causal_lm(export_config, dtype, device=device)
-    load_strict(export, dict(tensors), f"the --target {NAME} export")
+    export = export_model(dict(tensors), export_config, dtype, device, NAME)
     match_vllm_norms(export)
-    return export.eval()
+    return export
 
 
 def load(path, device, dtype):
@@ -761,17 +796,17 @@ def export_tensors(source, state_dict, opts):
     stats = sequential = None
     if opts.calib is not None:
         ids = calibration_ids(source, opts)
-        bar = lambda items: progress(items, "calibrating", "layer", opts.progress)  # noqa: E731
+        bar = progress_bar("calibrating", "layer", opts.progress)
         observe = rotation_fit_observer(src_view, spec, config) if needs_calibration(spec, config) else None
         stats = compress.calibrate(source, config, ids, spec.n_layers, progress=bar, observe=observe)
         if needs_compression(spec, config["hidden_size"]):  # the latent is compressed: weigh it in loss units
-            fisher_bar = lambda items: progress(items, "fisher statistics", "layer", opts.progress)  # noqa: E731
+            fisher_bar = progress_bar("fisher statistics", "layer", opts.progress)
             fisher = compress.fisher_calibrate_streamed(source, config, ids, spec.n_layers, progress=fisher_bar)
             for layer_stats, layer_fisher in zip(stats, fisher):
                 layer_stats.key_fisher, layer_stats.value_fisher = layer_fisher.key_fisher, layer_fisher.value_fisher
             if (opts.calibration or VLLM_CALIBRATION) == "sequential":
                 sequential = SequentialLatents(getattr(source, "module_source", source), config, ids)
-    return vllm_export(state_dict, config, stats, sequential=sequential)
+    return vllm_export(state_dict, config, ExportChoices(stats=stats, sequential=sequential))
 
 
 def report(export: dict, e2e: dict | None, ckpt_dtype: torch.dtype) -> dict:
@@ -824,6 +859,6 @@ def note(info: dict) -> str:
     return text + (
         f"LOSSY: vLLM rotates only 64 key dims shared by all heads, one frequency set{folded}; of the {components} "
         f"per rotary slot the principal mixture stays rotary{share}, the other {G * f - 1} become position-free "
-        f"(NoPE) dims in the latent, their rotation dropped{stand_in}.{latent} Compare with transformers' "
-        "DeepseekV3 after convert.targets.vllm.match_vllm_norms(model)."
+        f"(NoPE) dims in the latent, their rotation dropped{stand_in}.{latent} Stock transformers' DeepseekV3 "
+        "computes the same model as vLLM (compare there)."
     )

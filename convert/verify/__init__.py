@@ -10,6 +10,7 @@ import json
 import platform
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +24,12 @@ from convert.io import open_checkpoint
 from convert.layouts import module_layout
 from convert.mla.model import load_mla_model, read_mla_config
 from convert.options import VerifyOptions, dtype_name
-from convert.plan import (
+from convert.progress import progress
+from convert.targets import load_output, output_target
+from convert.text import model_tokenizer, text_token_ids
+from convert.verify.e2e import end_to_end, greedy_in_turn, streamed_end_to_end
+from convert.verify.layers import check_hf_layers, check_seed_layers
+from convert.verify.memory import (
     PROCESS_BASE_BYTES,
     available_memory_bytes,
     largest_layer_bytes,
@@ -32,12 +38,8 @@ from convert.plan import (
     whole_model_activation_bytes,
     whole_model_memory_bytes,
 )
-from convert.progress import progress
-from convert.targets import load_output, output_target
-from convert.text import model_tokenizer, text_token_ids
-from convert.verify.e2e import end_to_end, greedy_in_turn, streamed_end_to_end
-from convert.verify.layers import LayerRun, check_hf_layers, check_seed_layers
 from convert.verify.report import check, coarsest, decide, render_markdown, thresholds, write_report
+from convert.verify.run import VerifyRun
 from convert.verify.twin import twin_view
 
 __all__ = ["render_markdown", "verify", "verify_paths", "write_report"]
@@ -62,6 +64,19 @@ def _versions() -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
     }
+
+
+@dataclass(frozen=True)
+class _Findings:
+    """What a verification run found, for the report: per-layer and end-to-end figures (or why the
+    latter did not run), checks besides them, the inputs' checksums and every phase's seconds."""
+
+    layers: list[dict]
+    e2e: dict | None
+    skipped: str | None
+    inputs: dict
+    timings: dict
+    checks: tuple[dict, ...] = ()
 
 
 class _Timings(dict):
@@ -112,7 +127,7 @@ def verify_paths(original, converted, **options) -> dict:
         run_dtype = opts.run_dtype(ckpt_dtype)
         limits = thresholds(coarsest(run_dtype, ckpt_dtype), max_ppl_ratio)
         twin = twin_view(orig, config) if limits["noise_floor"] else None
-        run = LayerRun(orig, conv, config, run_device, run_dtype, twin)
+        run = VerifyRun(orig, conv, config, run_device, run_dtype, twin, ckpt_dtype)
         runnable = mla["source_architecture"] != "seed"
         with timings("tokens"):
             ids = _token_ids(text, orig, config, tokens, runnable)
@@ -127,29 +142,31 @@ def verify_paths(original, converted, **options) -> dict:
         e2e, skipped = None, "the source architecture has no transformers causal LM" if not runnable else None
         if runnable:
             with timings("end_to_end"):
-                e2e = _end_to_end(opts, orig, conv, converted, config, ids, ckpt_dtype, run_dtype, twin)
+                e2e = _end_to_end(opts, run, converted, ids)
         with timings("checksums"):
             inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(text, ids)}
-    return _report(opts, run_dtype, layers, e2e, skipped, limits, inputs, timings.close(), [copied])
+    return _report(opts, run_dtype, limits, _Findings(layers, e2e, skipped, inputs, timings.close(), (copied,)))
 
 
-def _end_to_end(opts: VerifyOptions, orig, conv, converted, config: dict, ids, ckpt_dtype, dtype, twin) -> dict:
+def _end_to_end(opts: VerifyOptions, run: VerifyRun, converted, ids) -> dict:
     """The end-to-end figures: both whole models at once (--e2e whole, or auto on a GPU whose free
     memory holds them), else streamed a decoder layer at a time, with (auto) greedy generation from
-    each whole model in turn when one fits; the twin's as the `floor` when there is one."""
-    device, tokenizer = opts.torch_device, model_tokenizer(orig.root)
+    each whole model in turn when one fits; the twin's as the `floor` when there is one.
+    converted: the converted directory (greedy generation loads it whole)."""
+    orig, conv, config, device, dtype = run.original, run.converted, run.config, run.device, run.dtype
+    tokenizer = model_tokenizer(orig.root)
     whole = opts.e2e == "whole" or (opts.e2e == "auto" and _both_fit_gpu(orig, conv, device, dtype, ids, config))
     if whole:
         load = lambda device, dtype: load_mla_model(converted, device=device, dtype=dtype)
-        return end_to_end(orig, load, config, ids, device, dtype, ckpt_dtype, tokenizer, twin)
+        return end_to_end(run, load, ids, tokenizer)
     greedy, why = None, "greedy generation needs a whole model with a KV cache, and --e2e streamed keeps to one layer"
     if opts.e2e == "auto":
-        greedy_dtype = opts.greedy_dtype(ckpt_dtype)
+        greedy_dtype = opts.greedy_dtype(run.ckpt_dtype)
         fits, need = _one_model_fits(orig, conv, device, greedy_dtype)
         if fits:
             greedy = greedy_in_turn(orig, converted, config, ids, device, greedy_dtype)
         why = f"greedy generation needs one whole model with a KV cache in {dtype_name(greedy_dtype)}, and {need}"
-    return streamed_end_to_end(orig, conv, config, ids, device, dtype, ckpt_dtype, greedy, why, tokenizer, twin)
+    return streamed_end_to_end(run, ids, greedy, why, tokenizer)
 
 
 def _check_same_source(orig, config: dict, converted) -> None:
@@ -229,27 +246,28 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
         export = (conv.config or {}).get("convert_export", {})
         limits = thresholds(coarsest(dtype, ckpt_dtype, torch.float32), opts.max_ppl_ratio)
         twin = twin_view(orig, config) if limits["noise_floor"] else None
-        load = lambda device, dtype: load_export(exported, export, device, dtype)
+        run = VerifyRun(orig, conv, config, device, dtype, twin, ckpt_dtype)
+        load = lambda device, dtype: load_export(exported, device, dtype)
         with timings("end_to_end"):
-            e2e = end_to_end(orig, load, config, ids, device, dtype, ckpt_dtype, model_tokenizer(orig.root), twin)
+            e2e = end_to_end(run, load, ids, model_tokenizer(orig.root))
         with timings("checksums"):
             inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(opts.text, ids)}
-    report = _report(opts, dtype, [], e2e, None, limits, inputs, timings.close())
+    report = _report(opts, dtype, limits, _Findings([], e2e, None, inputs, timings.close()))
     section = output_target(conv.config or {}).report(export, e2e, ckpt_dtype)
     if section is not None:
         report["target"] = section
     return report
 
 
-def load_export(path, export: dict | None = None, device="cpu", dtype=None):
+def load_export(path, device="cpu", dtype=None):
     """An export as the runtime it was made for computes it (`convert.targets.load_output`): stock
-    transformers, a vllm export with vLLM's latent-norm eps. `export` is accepted for older callers."""
+    transformers, a vllm export with vLLM's latent-norm eps."""
     return load_output(path, device, dtype)
 
 
-def _report(opts: VerifyOptions, run_dtype, layers, e2e, skipped, limits, inputs, timings, extra_checks=()) -> dict:
+def _report(opts: VerifyOptions, run_dtype, limits: dict, found: _Findings) -> dict:
     """The report dict (schema in convert.verify.report); run_dtype: the run's (`--dtype auto` resolved)."""
-    decision = decide(layers, e2e, limits, extra_checks)
+    decision = decide(found.layers, found.e2e, limits, found.checks)
     device = opts.torch_device
     return {
         "schema": "convert.verification/1",
@@ -257,10 +275,10 @@ def _report(opts: VerifyOptions, run_dtype, layers, e2e, skipped, limits, inputs
         "decision": decision,
         "failures": decision["failures"],
         "thresholds": limits,
-        "layers": layers,
-        "end_to_end": e2e,
-        "end_to_end_skipped": skipped,
-        "inputs": inputs,
+        "layers": found.layers,
+        "end_to_end": found.e2e,
+        "end_to_end_skipped": found.skipped,
+        "inputs": found.inputs,
         "options": {
             "text": str(opts.text) if opts.text else None,
             "tokens": opts.tokens,
@@ -275,7 +293,7 @@ def _report(opts: VerifyOptions, run_dtype, layers, e2e, skipped, limits, inputs
             "name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         },
         "dtype": dtype_name(run_dtype),
-        "timings": timings,
+        "timings": found.timings,
     }
 
 

@@ -9,6 +9,7 @@ from convert.io import Checkpoint
 from convert.mla.model import cache_bytes_per_token, load_mla_model
 from convert.options import dtype_name
 from convert.verify import streamed
+from convert.verify.run import VerifyRun
 
 GREEDY_PROMPT, GREEDY_NEW = 8, 32
 
@@ -75,26 +76,17 @@ def compare_models(ref_model, mla_model, ids: torch.Tensor, window: int = 1024) 
     }
 
 
-def end_to_end(
-    original: Checkpoint,
-    load_converted,
-    config: dict,
-    ids: torch.Tensor,
-    device,
-    dtype,
-    ckpt_dtype,
-    tokenizer=None,
-    twin=None,
-) -> dict:
+def end_to_end(run: VerifyRun, load_converted, ids: torch.Tensor, tokenizer=None) -> dict:
     """Compare the whole original and converted models on `ids` (1, N).
 
     load_converted(device, dtype): the converted model (MLA, or an export target's).
-    KV-cache bytes are counted in the checkpoint's dtype `ckpt_dtype`, as deployed;
-    with a tokenizer the greedy continuations are decoded to text too. twin: the original's
-    equivalent twin (`convert.verify.twin`), whose figures against the original are the `floor`;
-    it is built once the converted model is freed (two whole models in memory at a time).
+    KV-cache bytes are counted in the checkpoint's dtype `run.ckpt_dtype`, as deployed;
+    with a tokenizer the greedy continuations are decoded to text too. The run's twin (the
+    original's equivalent twin, `convert.verify.twin`): its figures against the original are the
+    `floor`; it is built once the converted model is freed (two whole models in memory at a time).
     """
-    ref_model = load_original(original, config, device, dtype)
+    config, device, dtype, ckpt_dtype = run.config, run.device, run.dtype, run.ckpt_dtype
+    ref_model = load_original(run.original, config, device, dtype)
     mla_model = load_converted(device, dtype)
     ids = ids.to(device)
     result = compare_models(ref_model, mla_model, ids)
@@ -108,10 +100,10 @@ def end_to_end(
         "mode": "whole",
         "greedy_skipped": None,
     }
-    if twin is not None:
+    if run.twin is not None:
         del mla_model
         release_freed_memory()
-        floor = compare_models(ref_model, load_original(twin, config, device, dtype), ids)
+        floor = compare_models(ref_model, load_original(run.twin, config, device, dtype), ids)
         result["floor"] = {k: v for k, v in floor.items() if k not in ("tokens", "window")}
     return result
 
@@ -145,25 +137,16 @@ def greedy_in_turn(original: Checkpoint, converted, config: dict, ids: torch.Ten
 
 
 def streamed_end_to_end(
-    original: Checkpoint,
-    converted: Checkpoint,
-    config: dict,
-    ids: torch.Tensor,
-    device,
-    dtype,
-    ckpt_dtype,
-    greedy: tuple | None = None,
-    why: str | None = None,
-    tokenizer=None,
-    twin=None,
+    run: VerifyRun, ids: torch.Tensor, greedy: tuple | None = None, why: str | None = None, tokenizer=None
 ) -> dict:
     """`end_to_end`'s report with the models streamed one decoder layer at a time
     (`convert.verify.streamed`). Greedy generation needs a whole model with a KV cache:
     `greedy` holds the tokens of `greedy_in_turn` when it ran, else `greedy_skipped` says `why`; with
-    `twin`, the twin runs as a third stream and its figures are the `floor`."""
+    a twin, the twin runs as a third stream and its figures are the `floor`."""
     greedy_ref, greedy_got, greedy_dtype = greedy or (None, None, None)
-    result = streamed.compare_streamed(original, converted, config, ids.to(device), device, dtype, twin=twin)
-    cache_original, cache_converted = streamed.cache_bytes_per_token(config, ckpt_dtype)
+    ckpt_dtype = run.ckpt_dtype
+    result = streamed.compare_streamed(run, ids.to(run.device))
+    cache_original, cache_converted = streamed.cache_bytes_per_token(run.config, ckpt_dtype)
     return (
         result
         | greedy_fields(greedy_ref, greedy_got, ids, tokenizer, greedy_dtype)
@@ -171,8 +154,8 @@ def streamed_end_to_end(
             "kv_cache_bytes_per_token_original": cache_original,
             "kv_cache_bytes_per_token_converted": cache_converted,
             "kv_cache_dtype": dtype_name(ckpt_dtype),
-            "params_original": streamed.params(original),
-            "params_converted": streamed.params(converted),
+            "params_original": streamed.params(run.original),
+            "params_converted": streamed.params(run.converted),
             "mode": "streamed",
             "greedy_skipped": None if greedy else why,
         }

@@ -7,33 +7,12 @@ really reach that layer: the original decoder layers run one after another on
 captured hidden states. Without, they are random N(0, 1) (post-norm scale).
 """
 
-from dataclasses import dataclass
-
 import torch
 
-from convert.io import Checkpoint
 from convert.mla.attention import MLAAttention, build_mla_attention
 from convert.stream import LayerStream, load_module, materialize
+from convert.verify.run import VerifyRun
 from convert.verify.seed import MyGQA
-
-
-@dataclass
-class LayerRun:
-    """Everything a layer check needs besides the layer index."""
-
-    original: Checkpoint
-    converted: Checkpoint
-    config: dict  # the converted config.json (source config + `mla`)
-    device: torch.device
-    dtype: torch.dtype
-    twin: Checkpoint | None = None  # the original's equivalent twin (`convert.verify.twin`): the noise floor
-
-    @property
-    def mla(self) -> dict:
-        return self.config["mla"]
-
-    def prefix(self, layer: int) -> str:
-        return self.mla["layer_prefix"].format(i=layer)
 
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -43,12 +22,12 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return float(diff.norm() / norm) if norm > 0 else float(diff.norm()), float(diff.abs().max())
 
 
-def _mla_module(run: LayerRun, layer: int, rotary=None) -> MLAAttention:
+def _mla_module(run: VerifyRun, layer: int, rotary=None) -> MLAAttention:
     build = lambda: build_mla_attention(run.mla, layer, rotary=rotary, dtype=run.dtype)
     return materialize(build, run.converted, run.prefix(layer), run.device, run.dtype)
 
 
-def check_hf_layers(run: LayerRun, token_ids: torch.Tensor | None, n_tokens: int, progress) -> list[dict]:
+def check_hf_layers(run: VerifyRun, token_ids: torch.Tensor | None, n_tokens: int, progress) -> list[dict]:
     """Per-layer errors of a transformers family (every registered family but the seed's notation)."""
     stream = LayerStream(run.original, run.config, run.device, run.dtype)
     results = []
@@ -74,7 +53,7 @@ def check_hf_layers(run: LayerRun, token_ids: torch.Tensor | None, n_tokens: int
     return results
 
 
-def check_seed_layers(run: LayerRun, n_tokens: int, progress) -> list[dict]:
+def check_seed_layers(run: VerifyRun, n_tokens: int, progress) -> list[dict]:
     """Per-layer errors of a seed-notation checkpoint against the seed's MyGQA (x attends to x)."""
     mla = run.mla
     generator = torch.Generator().manual_seed(0)
@@ -89,7 +68,7 @@ def check_seed_layers(run: LayerRun, n_tokens: int, progress) -> list[dict]:
     return results
 
 
-def _seed_gqa(run: LayerRun, layer: int, weights) -> MyGQA:
+def _seed_gqa(run: VerifyRun, layer: int, weights) -> MyGQA:
     """The seed's MyGQA of `layer` with the tensors of `weights` (the original, or its twin)."""
     mla = run.mla
     d, hidden = mla["head_dim"], mla["hidden_size"]
@@ -97,7 +76,7 @@ def _seed_gqa(run: LayerRun, layer: int, weights) -> MyGQA:
     return load_module(module, weights, run.prefix(layer), run.device, run.dtype)
 
 
-def _layer_result(run: LayerRun, layer: int, got: torch.Tensor, ref: torch.Tensor, twin=None) -> dict:
+def _layer_result(run: VerifyRun, layer: int, got: torch.Tensor, ref: torch.Tensor, twin=None) -> dict:
     """One layer's row of the report; with the twin's output, its errors as the layer's noise floor."""
     rel, max_abs = relative_error(got, ref)
     floor_rel, floor_max_abs = (None, None) if twin is None else relative_error(twin, ref)

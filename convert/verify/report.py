@@ -411,3 +411,15 @@ def write_report(report: dict, directory) -> None:
     report["plot"] = plot_layers(report, directory / "verification_layers.png")
     (directory / "verification.json").write_text(json.dumps(report, indent=2) + "\n")
     (directory / "verification.md").write_text(render_markdown(report))
+
+
+def original_named_by(converted: Path) -> Path | None:
+    """The original checkpoint a conversion's verification.json names, when it still exists."""
+    report = Path(converted) / "verification.json"
+    if not report.is_file():
+        return None
+    try:
+        found = json.loads(report.read_text()).get("inputs", {}).get("original", {}).get("path")
+    except (ValueError, AttributeError):
+        return None  # not a report of ours: as if there were none
+    return Path(found) if found and Path(found).exists() else None

@@ -21,6 +21,7 @@ from convert.io.reader import dtype_itemsize
 from convert.layouts import module_layout
 from convert.mla.attention import build_mla_attention
 from convert.stream import LayerStream, embedding_rows, materialize
+from convert.verify.run import VerifyRun
 
 VOCAB_CHUNK = 8192  # lm_head rows per chunk: chunk logits (L, C) stay small
 
@@ -28,9 +29,10 @@ VOCAB_CHUNK = 8192  # lm_head rows per chunk: chunk logits (L, C) stay small
 class _Stream:
     """The pieces both streams share: classes, configs, rotary embedding, masks."""
 
-    def __init__(self, original: Checkpoint, converted: Checkpoint, config: dict, device, dtype, twin=None):
-        self.original, self.converted, self.config = module_layout(original, config), converted, config
-        self.twin = twin  # the original's equivalent twin (`convert.verify.twin`), run as a third stream
+    def __init__(self, run: VerifyRun):
+        original, config, device, dtype = run.original, run.config, run.device, run.dtype
+        self.original, self.converted, self.config = module_layout(original, config), run.converted, config
+        self.twin = run.twin  # the original's equivalent twin (`convert.verify.twin`), run as a third stream
         self.mla, self.device, self.dtype = config["mla"], device, dtype
         self.layers = LayerStream(original, config, device, dtype)
         self.arch = ARCHS[self.mla["source_architecture"]]
@@ -177,20 +179,11 @@ def _window_figures(stream, ref_h, got_h, ids: torch.Tensor, got_checkpoint: Che
     }
 
 
-def compare_streamed(
-    original: Checkpoint,
-    converted: Checkpoint,
-    config: dict,
-    ids: torch.Tensor,
-    device,
-    dtype,
-    window=1024,
-    progress=iter,
-    twin=None,
-) -> dict:
-    """`compare_models`' figures (same keys, same windows) with the models streamed layer by layer;
-    with `twin` (the original's equivalent twin) its figures against the original too, as `floor`."""
-    stream = _Stream(original, converted, config, device, dtype, twin)
+def compare_streamed(run: VerifyRun, ids: torch.Tensor, window=1024, progress=iter) -> dict:
+    """`compare_models`' figures (same keys, same windows) on `ids` (1, N), with the models streamed
+    layer by layer; with a twin (the original's equivalent twin) its figures against the original
+    too, as `floor`."""
+    stream = _Stream(run)
     windows = [ids[:, start : start + window] for start in range(0, ids.shape[-1], window)]  # (1, ≤window) each
     ref_h, got_h, twin_h = hidden_states(stream, windows, progress)
     release_freed_memory()  # the decoder layers' freed pages, before the vocabulary chunks

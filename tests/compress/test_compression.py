@@ -183,7 +183,7 @@ def test_streamed_fisher_pass_equals_the_whole_model_pass(family, tmp_path):
     normed keys' moments (q/k norm); soft-capped logits (Gemma 2), post-norm layers (OLMo 2),
     experts (Mixtral) included."""
     from convert.compress import fisher_calibrate
-    from convert.compress.calibrate import fisher_calibrate_streamed
+    from convert.compress.calibrate import CalibrationRun, fisher_calibrate_streamed
     from convert.io import open_checkpoint
 
     model = hf_model(family)
@@ -194,7 +194,7 @@ def test_streamed_fisher_pass_equals_the_whole_model_pass(family, tmp_path):
     whole = fisher_calibrate(model, ids, window=32)
     config = json.loads((tmp_path / "config.json").read_text())
     with open_checkpoint(tmp_path) as checkpoint:
-        streamed = fisher_calibrate_streamed(checkpoint, config, ids, len(whole), window=32)
+        streamed = fisher_calibrate_streamed(checkpoint, config, ids, len(whole), CalibrationRun(window=32))
     rel = lambda a, b: float((a - b).norm() / b.norm())
     for ours, theirs in zip(streamed, whole, strict=True):
         assert rel(ours.moment, theirs.moment) < 1e-6 and rel(ours.mean, theirs.mean) < 1e-6

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import convert
+from convert.compress import static_frequencies
 from convert.linalg import rope_factor
 from convert.linalg.weighted import decoupled_rope_factor, decoupled_spectrum, static_split
 from convert.mla.attention import apply_rope, latent_cos_sin
-from convert.plan import plan_for_config, static_frequencies
+from convert.plan import plan_for_config
 
 from conftest import hf_model
 

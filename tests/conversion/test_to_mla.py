@@ -3,8 +3,6 @@ same module, with the same weights and logits, as `load_mla_model` of the direct
 `gqa2mla` writes from that model saved to disk (an export target's: the DeepseekV3 model
 `load_export` reads); and it trains in an ordinary loop."""
 
-import json
-
 import pytest
 import torch
 
@@ -81,7 +79,7 @@ def test_to_mla_trains_in_an_ordinary_loop():
 def test_to_mla_export_target_equals_the_loaded_export(tmp_path, target):
     """An export target in memory is the DeepseekV3ForCausalLM `load_export` reads from the
     directory `gqa2mla` writes: the same tensors and logits (the vllm one calibrated, G = 3)."""
-    from test_target_vllm import tiny_llama
+    from targets.test_target_vllm import tiny_llama
 
     from convert.verify import load_export
 
@@ -90,8 +88,7 @@ def test_to_mla_export_target_equals_the_loaded_export(tmp_path, target):
     options = {"target": target} | ({"calib": _calib_ids()} if target == "vllm" else {})
     in_memory = convert.to_mla(model, **options)
     convert.gqa2mla(tmp_path / "src", tmp_path / "out", verify=False, progress=False, **options)
-    export = json.loads((tmp_path / "out" / "config.json").read_text())["convert_export"]
-    from_disk = load_export(tmp_path / "out", export, "cpu", torch.float32)
+    from_disk = load_export(tmp_path / "out", "cpu", torch.float32)
 
     assert type(in_memory).__name__ == "DeepseekV3ForCausalLM" and type(in_memory) is type(from_disk)
     got, want = in_memory.state_dict(), from_disk.state_dict()
@@ -111,7 +108,7 @@ def test_to_mla_export_target_equals_the_loaded_export(tmp_path, target):
 
 
 def test_to_mla_vllm_refuses_as_the_cli_does():
-    from test_target_vllm import tiny_llama
+    from targets.test_target_vllm import tiny_llama
 
     with pytest.raises(convert.ConvertError, match="calib"):
         convert.to_mla(tiny_llama(3), target="vllm")

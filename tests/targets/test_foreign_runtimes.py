@@ -1,12 +1,13 @@
 """Each target says what another runtime makes of its output, and the conversion says it aloud:
 a `mla` directory is refused by stock transformers without `import convert`; a `vllm` export
-opened by stock transformers computes another model (its latent norm's eps), which the conversion's
-notes state, while `convert.targets.load_output` gives the model vLLM serves."""
+opened by stock transformers computes, to the bit, what vLLM does (a latent bias only transformers
+reads stands in for the latent norm's eps it hard-codes), as `convert.targets.load_output` does."""
 
 import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -36,16 +37,63 @@ def test_every_target_says_what_other_runtimes_make_of_it():
         assert len(target(name).FOREIGN) > 40, name
 
 
-def test_a_vllm_export_in_stock_transformers_is_another_model_and_the_conversion_says_so(tmp_path):
+def _as_vllm_computes(model):
+    """transformers' DeepseekV3 as vLLM runs a checkpoint (vllm/model_executor/models/deepseek_v2.py):
+    kv_a_proj_with_mqa and o_proj built with bias=False, their checkpoint biases skipped, and the
+    latent norm `RMSNorm(kv_lora_rank, eps=config.rms_norm_eps)`."""
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        attention.kv_a_proj_with_mqa.bias = attention.o_proj.bias = None
+        attention.kv_a_layernorm.variance_epsilon = model.config.rms_norm_eps
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_vllm_export_in_stock_transformers_computes_what_vllm_does(tmp_path, dtype):
+    """Stock transformers hard-codes the latent norm's eps (1e-6) where vLLM reads rms_norm_eps (2^40):
+    the export's latent bias, which vLLM skips, makes up the difference, to the bit (eager)."""
     src = _tiny_llama(tmp_path)  # one key/value head of dim 64: the exact vllm case
-    result = convert.gqa2mla(src, tmp_path / "vllm", target="vllm", verify=False, progress=False)
-    assert any("stock transformers" in note and "match_vllm_norms" in note for note in result.notes)
+    out = tmp_path / "vllm"
+    result = convert.gqa2mla(src, out, target="vllm", verify=False, progress=False, dtype=str(dtype)[6:])
+    assert any("stock transformers" in note and "computes the model vLLM serves" in note for note in result.notes)
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
+    load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+    original = _logits(load(src), ids).float()
+    stock = _logits(load(out), ids)
+    vllm = _logits(_as_vllm_computes(load(out)), ids)
+    assert torch.equal(stock, vllm)
+    assert torch.equal(_logits(load_output(out, "cpu", dtype), ids), vllm)  # convert's own loader too
+    assert float((vllm.float() - original).norm() / original.norm()) < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+def test_a_vllm_export_without_the_latent_bias_is_still_loaded_as_vllm_serves_it(tmp_path):
+    """An export written before the latent bias (attention_bias false, no biases): stock transformers
+    computes another model, `load_output` (`match_vllm_norms`) the one vLLM serves."""
+    from safetensors.torch import load_file, save_file
+
+    src = _tiny_llama(tmp_path)
+    out = tmp_path / "vllm"
+    convert.gqa2mla(src, out, target="vllm", verify=False, progress=False)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"attention_bias": False}))
+    for file in out.glob("*.safetensors"):
+        tensors = load_file(file)
+        save_file({k: v for k, v in tensors.items() if not k.endswith(".bias")}, file, metadata={"format": "pt"})
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
     original = _logits(AutoModelForCausalLM.from_pretrained(src).eval(), ids)
-    as_vllm = _logits(load_output(tmp_path / "vllm", "cpu", torch.float32).eval(), ids)
-    stock = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "vllm").eval(), ids)
-    assert float((as_vllm - original).norm() / original.norm()) < 1e-5  # what vLLM computes: the original
-    assert float((stock - original).norm() / original.norm()) > 1e-2  # what the note warns about
+    as_vllm = _logits(load_output(out, "cpu", torch.float32).eval(), ids)
+    stock = _logits(AutoModelForCausalLM.from_pretrained(out).eval(), ids)
+    assert float((as_vllm - original).norm() / original.norm()) < 1e-5
+    assert float((stock - original).norm() / original.norm()) > 1e-2
+
+
+def test_healing_a_vllm_export_leaves_what_vllm_skips(tmp_path):
+    from convert.healing import trainable_parameters
+
+    src = _tiny_llama(tmp_path)
+    convert.gqa2mla(src, tmp_path / "vllm", target="vllm", verify=False, progress=False)
+    names = trainable_parameters(load_output(tmp_path / "vllm", "cpu", torch.float32))
+    assert names and not any(name.endswith(".bias") for name in names)
 
 
 def test_a_native_directory_is_refused_by_stock_transformers(tmp_path):

@@ -1,8 +1,8 @@
 """The `vllm` target: a DeepseekV3ForCausalLM in vLLM's MLA shape (kv_lora_rank 512 + 64 rotary dims).
 
-Reference: transformers' own DeepseekV3ForCausalLM built from the exported config, with the
-latent norm's eps set to the config's as vLLM reads it (`match_vllm_norms`), against the
-source's own transformers model on the same ids.
+Reference: transformers' own DeepseekV3ForCausalLM built from the exported config (its latent
+bias stands in for the latent norm's eps vLLM reads; `match_vllm_norms` leaves it alone), against
+the source's own transformers model on the same ids.
 """
 
 import json
@@ -13,7 +13,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, L
 
 from convert.compress.calibrate import LayerStats
 from convert.errors import ConvertError
-from convert.targets.vllm import match_vllm_norms, to_vllm_deepseek
+from convert.targets.vllm import ExportChoices, match_vllm_norms, to_vllm_deepseek
 
 from conftest import PROSE
 
@@ -45,9 +45,10 @@ def exported_model(model, stats=None, **kwargs):
     return exported_model_from(model.state_dict(), model.config, stats, **kwargs)
 
 
-def exported_model_from(state: dict, config, stats=None, **kwargs):
-    """(transformers' DeepseekV3 on the export, its tensors, its config, its `convert_export`)."""
-    tensors, config = to_vllm_deepseek(state, config, stats, **kwargs)
+def exported_model_from(state: dict, config, stats=None, **choices):
+    """(transformers' DeepseekV3 on the export, its tensors, its config, its `convert_export`);
+    choices: `ExportChoices`' other fields."""
+    tensors, config = to_vllm_deepseek(state, config, ExportChoices(stats=stats, **choices))
     export = config.pop("convert_export")
     deepseek = DeepseekV3ForCausalLM(DeepseekV3Config.from_dict(config)).eval()
     deepseek.load_state_dict(tensors, strict=True)
@@ -70,15 +71,22 @@ def test_config_and_tensor_names():
     assert config["q_lora_rank"] is None and config["rope_interleave"] is True
     assert config["num_key_value_heads"] == config["num_attention_heads"]
     assert config["first_k_dense_replace"] >= config["num_hidden_layers"]
-    assert config["attention_bias"] is False
+    assert config["attention_bias"] is True  # the latent norm's constant, for transformers only
     names = {n.split("self_attn.")[1] for n in tensors if ".self_attn." in n}
     assert names == {
         "q_proj.weight",
         "kv_a_proj_with_mqa.weight",
+        "kv_a_proj_with_mqa.bias",
         "kv_a_layernorm.weight",
         "kv_b_proj.weight",
         "o_proj.weight",
+        "o_proj.bias",
     }
+    bias = tensors["model.layers.0.self_attn.kv_a_proj_with_mqa.bias"]
+    assert bias[:510].abs().max() == 0 and (bias[510:512] == 2.0**24).all() and bias[512:].abs().max() == 0
+    assert tensors["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"][510:512].abs().max() == 0
+    assert tensors["model.layers.0.self_attn.kv_b_proj.weight"][:, 510:].abs().max() == 0
+    assert tensors["model.layers.0.self_attn.o_proj.bias"].abs().max() == 0
     assert "lm_head.weight" in tensors  # written out although the source ties it
     assert export["kv_cache_dims_per_token_per_layer"] == 576
     assert export["gqa_cache_dims_per_token_per_layer"] == 2 * 3 * 64
@@ -128,7 +136,7 @@ def test_general_key_heads_are_lossy_and_bounded(n_kv_heads):
 )
 def test_refusals(make, stats, kwargs, match):
     with pytest.raises(ConvertError, match=match):
-        to_vllm_deepseek(make().state_dict(), make().config, stats, **kwargs)
+        to_vllm_deepseek(make().state_dict(), make().config, ExportChoices(stats=stats, **kwargs))
 
 
 def test_api_writes_a_report_that_says_where_it_is_lossy(tmp_path):
@@ -258,7 +266,7 @@ def test_the_exports_attention_stands_in_for_the_sources(mask):
     from convert.targets.vllm import ExportAttention
 
     model = tiny_llama(1)
-    tensors, config = to_vllm_deepseek(model.state_dict(), model.config, dtype=torch.float32)
+    tensors, config = to_vllm_deepseek(model.state_dict(), model.config, ExportChoices(dtype=torch.float32))
     s = config["convert_export"]["residual_scale"]
     prefix = "model.layers.1.self_attn."
     own = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
@@ -277,7 +285,7 @@ def test_the_exports_attention_stands_in_for_the_sources(mask):
 @pytest.mark.parametrize("calibration", [None, "sequential"])
 def test_an_8b_shaped_source_is_compressed_into_the_latent_through_the_api(tmp_path, calibration):
     """Llama-3-8B's attention (G = 8 key heads of d = 128, llama3 RoPE; 16 query heads here,
-    D = 1024): 1,984 latent dims needed, 512 held. The API calibrates with Fisher statistics,
+    D = 1024): 1,984 latent dims needed, 510 held. The API calibrates with Fisher statistics,
     compresses the latent (on the original's inputs by default, or sequentially), writes
     DeepSeek-YaRN, and the report says so."""
     import convert
@@ -315,7 +323,7 @@ def test_an_8b_shaped_source_is_compressed_into_the_latent_through_the_api(tmp_p
     exported = written["convert_export"]
     assert exported["latent_compressed"] and exported["latent_weighting"] == "fisher"
     assert exported["latent_calibration"] == (calibration or "original")
-    assert exported["latent_content_dims"] == 64 * 15 + 1024 and exported["latent_dims_used"] == 512
+    assert exported["latent_content_dims"] == 64 * 15 + 1024 and exported["latent_dims_used"] == 510
     target = result.report["target"]
     assert target["cache_values_per_token_per_layer"] == 576 and target["gqa_cache_values_per_token_per_layer"] == 2048
     assert "COMPRESSED" in target["note"] and "smaller than" in target["note"] and "folds 2" in target["note"]

@@ -12,6 +12,7 @@ from convert.io import open_checkpoint
 from convert.mla.model import cache_bytes_per_token, load_mla_model, read_mla_config
 from convert.verify import render_markdown, verify_paths
 from convert.verify.e2e import compare_models
+from convert.verify.run import VerifyRun
 from convert.verify.streamed import VOCAB_CHUNK, compare_streamed, params
 from convert.verify.streamed import cache_bytes_per_token as config_cache_bytes
 
@@ -45,7 +46,7 @@ def test_streamed_equals_whole_model(tiny_llama_dir, tmp_path, options, monkeypa
     with open_checkpoint(tiny_llama_dir) as orig, open_checkpoint(out) as conv:
         ref, got = load_original(orig, config, "cpu", dtype), load_mla_model(out, "cpu", dtype)
         whole = compare_models(ref, got, ids, window=16)  # three windows, the last one short
-        streamed = compare_streamed(orig, conv, config, ids, torch.device("cpu"), dtype, window=16)
+        streamed = compare_streamed(VerifyRun(orig, conv, config, torch.device("cpu"), dtype), ids, window=16)
         assert_same_figures(streamed, whole)
         if "kv_cache_ratio" in options:
             assert whole["kl_mean"] > 1e-6 and whole["logits_rel_error"] > 1e-4  # really lossy: figures mean something
@@ -88,7 +89,7 @@ def test_streamed_equals_whole_on_smollm2(smollm2, tmp_path):
         ref, got = load_original(orig, config, "cpu", dtype), load_mla_model(out, "cpu", dtype)
         whole = compare_models(ref, got, ids, window=128)
         del ref, got
-        streamed = compare_streamed(orig, conv, config, ids, torch.device("cpu"), dtype, window=128)
+        streamed = compare_streamed(VerifyRun(orig, conv, config, torch.device("cpu"), dtype), ids, window=128)
     assert whole["ppl_original"] < 100  # real text through the real model
     assert_same_figures(streamed, whole)
 
@@ -108,7 +109,7 @@ def test_auto_streams_and_generates_greedily_one_model_at_a_time(tiny_llama_dir,
     float32 for a float32 checkpoint (the whole mode's greedy tokens, there in float64), when one
     model fits; skipped, with the figure, when it does not."""
     import convert.verify as verify_module
-    from convert.plan import one_model_memory_bytes
+    from convert.verify.memory import one_model_memory_bytes
 
     out = tmp_path / "mla"
     gqa2mla(tiny_llama_dir, out, verify=False, progress=False)
@@ -134,7 +135,7 @@ def test_auto_greedy_keeps_to_the_memory_bound(tiny_llama_dir, tmp_path, monkeyp
     """Greedy generation under auto runs only within the streamed run's bound, 1 GiB + 2 x the
     largest layer, less a process's own memory: on any machine, whatever memory it has free."""
     import convert.verify as verify_module
-    from convert.plan import largest_layer_bytes, memory_bound_bytes, one_model_memory_bytes
+    from convert.verify.memory import largest_layer_bytes, memory_bound_bytes, one_model_memory_bytes
 
     out = tmp_path / "mla"
     gqa2mla(tiny_llama_dir, out, verify=False, progress=False)
