@@ -10,7 +10,9 @@ Light at import: a command imports the API (`_load_api`) only once its options a
 """
 
 import errno
+import json
 import logging
+import os
 import sys
 from functools import wraps
 from pathlib import Path
@@ -20,7 +22,15 @@ import click
 from convert._version import __version__
 from convert.errors import ConvertError
 from convert.io.output import check_output, default_output
-from convert.options import GROUPS, ConvertOptions, HealOptions, VerifyOptions, cli_fields, field_default
+from convert.options import (
+    GROUPS,
+    ConvertOptions,
+    EvalOptions,
+    HealOptions,
+    VerifyOptions,
+    cli_fields,
+    field_default,
+)
 from convert.targets import check_options
 
 _USAGE = ("2", "bad input or usage: one line naming the file/field and the fix; nothing written")
@@ -56,6 +66,12 @@ COMMAND_EXIT_CODES = {
         ("130", "interrupted (Ctrl-C)"),
     ),
     "heal": _exit_table(("0", "healed: the new directory and its report are written"), _USAGE, _IO, _INTERRUPTED),
+    "eval": _exit_table(
+        ("0", "done: the side-by-side table printed (and --output written)"),
+        ("2", "bad input or usage: one line naming the directory, task or option and the fix"),
+        ("3", "environment or I/O: lm_eval not installed (pip install 'convert[eval]'), --output not writable"),
+        ("130", "interrupted (Ctrl-C)"),
+    ),
 }
 
 
@@ -173,6 +189,7 @@ def main():
     convert gqa2mla MODEL        convert (exactly, by default) and verify
     convert verify ORIG CONV     re-check a converted checkpoint
     convert heal CONV --text F   distil a (compressed) conversion toward the original
+    convert eval CONV            lm-evaluation-harness tasks, original and converted side by side
     (`convert-mla` is the same command, for machines where ImageMagick's
     `convert` comes first on PATH; `python cli.py` from a checkout.)
     """
@@ -264,7 +281,8 @@ def verify(original, converted, report_dir, **options):
     group="training",
     multiple=True,
     required=True,
-    help="Text to heal on (UTF-8; repeat for several files). Use a different text than --eval-text.",
+    help="Text to heal on: UTF-8 .txt/.md, .jsonl/.json or .parquet (see --text-field); repeat for several "
+    "files. Use a different text than --eval-text.",
 )
 @_path_option(
     "--eval-text",
@@ -277,9 +295,14 @@ def verify(original, converted, report_dir, **options):
     help="The GQA checkpoint CONVERTED was made from (default: the one its verification.json names).",
 )
 @_path_option("-o", "--output", group="output", help="Output directory (default: <CONVERTED>-healed).")
+@_path_option(
+    "--training-dir",
+    group="output",
+    help="Checkpoints (--save-every, --resume) and tracker logs (default: <OUTPUT>-training).",
+)
 @options_of(HealOptions)
 @_exits_cleanly
-def heal(converted, texts, eval_text, original, output, **options):
+def heal(converted, texts, eval_text, original, output, training_dir, **options):
     """Heal CONVERTED (a directory written by `convert gqa2mla`): distil its MLA projections
     toward the original model's logits (KL on --text), everything else frozen.
 
@@ -288,14 +311,26 @@ def heal(converted, texts, eval_text, original, output, **options):
     transformers/vllm export is healed as transformers' DeepseekV3 runs it (a vllm one with
     vLLM's latent-norm eps) and written under the same names: serve the healed directory as
     you would the export.
+
+    On many processes: `accelerate launch --num_processes N -m convert heal ...` (or torchrun);
+    each step trains on --batch-size x --grad-accum x N windows, the same windows in the same
+    order on any number of processes. FSDP: docs/healing.md.
     """
     HealOptions.from_kwargs(**options)  # refused before torch is imported
     _load_api()
     from convert.healing import heal as run
     from convert.healing import healing_warnings
 
-    result = run(converted, list(texts), original=original, eval_texts=eval_text, output=output, **options)
-    if options["progress"]:
+    result = run(
+        converted,
+        list(texts),
+        original=original,
+        eval_texts=eval_text,
+        output=output,
+        training_dir=training_dir,
+        **options,
+    )
+    if options["progress"] and int(os.environ.get("RANK", "0")) == 0:
         before, after = result.report["before"], result.report["after"]
         click.echo(f"wrote {result.output}")
         click.echo(
@@ -309,8 +344,47 @@ def heal(converted, texts, eval_text, original, output, **options):
                 f"kept the weights of step {checks['best_step']} of {result.report['steps']}, the best on "
                 f"{checks['tokens']} check tokens of --text (rate halved {checks['halvings']} times)"
             )
-    for warning in healing_warnings(result.report):
+    for warning in healing_warnings(result.report) if int(os.environ.get("RANK", "0")) == 0 else ():
         click.echo(f"warning: {warning}", err=True)
+
+
+@main.command("eval", cls=_Command, epilog=COMMAND_EXIT_CODES["eval"])
+@click.argument("dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@_path_option(
+    "--original",
+    group="output",
+    help="The GQA checkpoint DIRS were converted from, evaluated first (default: the one their verification.json names).",
+)
+@_path_option("-o", "--output", group="output", help="Also write the results as JSON to this file.")
+@options_of(EvalOptions)
+@_exits_cleanly
+def evaluate(dirs, original, output, **options):
+    """Run lm-evaluation-harness tasks on DIRS (directories written by `convert gqa2mla`: the native
+    format or an export, each run as its runtime computes it) and on the original checkpoint, one
+    model at a time, and print the figures side by side: the original first, then each directory,
+    with its ratio to the original on the perplexities.
+
+    \b
+    convert_ppl  perplexity over a held-out text (the opening of Austen's Emma)
+    convert_mc   32 multiple-choice cloze sentences from the same chapter (acc, acc_norm)
+    """
+    EvalOptions.from_kwargs(**options)  # refused before torch is imported
+    for path in (*dirs, *([original] if original is not None else [])):
+        if not (path / "config.json").is_file():  # the words of convert.evaluate's check, which needs torch
+            raise ConvertError(
+                f"{path}: no such model directory (no config.json); pass a directory with its config.json"
+            )
+    if output is not None and (output.is_dir() or not output.resolve().parent.is_dir()):
+        raise ConvertError(f"--output {output}: not a file in an existing directory; pass e.g. --output results.json")
+    _load_api()
+    from convert.evaluate import evaluate as run
+    from convert.evaluate import render_markdown
+
+    results = run(list(dirs), options.pop("tasks"), original=original, **options)
+    click.echo(render_markdown(results))
+    if output is not None:
+        output.write_text(json.dumps(results, indent=2) + "\n")
+        click.echo(f"wrote {output}")
 
 
 if __name__ == "__main__":

@@ -312,6 +312,7 @@ class MLAForCausalLM(PreTrainedModel, GenerationMixin):
 
     config_class = MLAConfig
     base_model_prefix = "model"
+    supports_gradient_checkpointing = True  # the family's decoder layers recompute themselves (heal)
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: MLAConfig):
@@ -321,6 +322,7 @@ class MLAForCausalLM(PreTrainedModel, GenerationMixin):
             swap_attention(source, config.mla)
         self.model, self.lm_head = source.model, source.lm_head
         self._family = type(source)
+        self._no_split_modules = source._no_split_modules  # the decoder layers: what FSDP wraps one by one
         self.post_init()
 
     @classmethod

@@ -28,6 +28,8 @@ TARGETS = ("mla", "transformers", "vllm")
 LAYOUTS = ("absorbed", "factored")
 LATENTS = ("split", "joint")
 DEVICES = ("auto", "cpu", "cuda")
+MIXED_PRECISIONS = ("auto", "no", "bf16", "fp16")
+TRACKERS = ("auto", "none", "tensorboard", "wandb", "mlflow")
 E2E_MODES = ("auto", "whole", "streamed")
 METHODS = ("svd", "whitened", "fisher")
 ALLOCATIONS = ("uniform", "global")
@@ -67,38 +69,29 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def option(
-    default,
-    help: str,
-    *,
-    group: str,
-    choices=None,
-    flag: str | None = None,
-    short: str | None = None,
-    off_flag: str | None = None,
-    kind=None,
-    cli: bool = True,
-):
-    """A dataclass field with its CLI description.
+@dataclass(frozen=True)
+class Flag:
+    """How one option shows on the command line, besides its help and section.
 
-    group: its section of `--help` (a key of GROUPS); flag: the long flag (default
-    `--field-name`); off_flag: for a boolean whose CLI flag switches it off (`verify` <-
-    `--no-verify`); kind: the click value type when it differs from the default's (Path,
-    int, float, str).
+    flag: the long flag (default `--field-name`); off_flag: for a boolean whose CLI flag switches
+    it off (`verify` <- `--no-verify`); kind: the click value type when it differs from the
+    default's (Path, int, float, str); cli: False for an option of the Python API alone.
     """
+
+    choices: tuple | None = None
+    flag: str | None = None
+    short: str | None = None
+    off_flag: str | None = None
+    kind: type | None = None
+    cli: bool = True
+
+
+def option(default, help: str, *, group: str, **flag):
+    """A dataclass field with its CLI description as metadata: `help`, `group` (its section of
+    `--help`, a key of GROUPS) and the fields of `Flag` (`flag`: their values)."""
     if group not in GROUPS:
         raise ValueError(f"group {group!r} is not one of {', '.join(GROUPS)}")
-    meta = {
-        "help": help,
-        "group": group,
-        "choices": choices,
-        "flag": flag,
-        "short": short,
-        "off_flag": off_flag,
-        "kind": kind,
-        "cli": cli,
-    }
-    return field(default=default, metadata=meta)
+    return field(default=default, metadata={"help": help, "group": group, **vars(Flag(**flag))})
 
 
 class _FromKwargs:
@@ -411,7 +404,9 @@ class HealOptions(_FromKwargs):
     force: bool = option(
         False, "Replace the output directory if it exists (only one that convert wrote).", group="output"
     )
-    steps: int = option(200, "Optimizer steps (one window of --text each).", group="training")
+    steps: int = option(
+        200, "Optimizer steps (each on one global batch of windows: see --batch-size).", group="training"
+    )
     lr: float = option(
         1e-3,
         "AdamW learning rate of the MLA projections, relative: each tensor's is this times its RMS "
@@ -433,8 +428,39 @@ class HealOptions(_FromKwargs):
         group="training",
     )
     seed: int = option(0, "Seed of the window order.", group="training")
+    batch_size: int = option(
+        1,
+        "Windows per micro-batch, per process (a step trains on batch size x grad accum x processes).",
+        group="training",
+    )
+    grad_accum: int = option(1, "Micro-batches accumulated per optimizer step, per process.", group="training")
+    text_field: str = option("text", "The text's field in --text JSONL / Parquet rows.", group="training")
+    streaming: bool = option(
+        False,
+        "Read --text as a stream, epoch after epoch (corpora larger than memory): needs --eval-text; the "
+        "check tokens are the stream's first --tokens/16.",
+        group="training",
+    )
+    save_every: int = option(
+        0, "Write a checkpoint every N steps to the training directory (0: none); see --resume.", group="training"
+    )
+    resume: bool = option(
+        False, "Continue from the latest checkpoint in the training directory (same options).", group="training"
+    )
     device: str = option(
         "auto", "Where to train: auto = CUDA when present, else CPU.", group="advanced", choices=DEVICES
+    )
+    mixed_precision: str = option(
+        "auto", "auto = bf16 on CUDA, no (float32) on CPU.", group="advanced", choices=MIXED_PRECISIONS
+    )
+    gradient_checkpointing: bool = option(
+        False, "Recompute activations in the backward pass: less memory, more time.", group="advanced"
+    )
+    log_with: str = option(
+        "auto",
+        "Metrics tracker (in the training directory): auto = TensorBoard when installed; also in healing.json.",
+        group="advanced",
+        choices=TRACKERS,
     )
     max_shard_size: int | str = option(
         "5GB", "Start a new safetensors shard above this many bytes.", group="advanced", kind=str
@@ -457,10 +483,63 @@ class HealOptions(_FromKwargs):
             raise ConvertError(f"--tokens {self.tokens} must be at least 4")
         if self.check_every < 0:
             raise ConvertError(f"--check-every {self.check_every} must be 0 (no checks) or a number of steps")
+        _choice("--mixed-precision", self.mixed_precision, MIXED_PRECISIONS)
+        _choice("--log-with", self.log_with, TRACKERS)
+        for flag, value in (("--batch-size", self.batch_size), ("--grad-accum", self.grad_accum)):
+            if value < 1:
+                raise ConvertError(f"{flag} {value} must be at least 1")
+        if self.save_every < 0:
+            raise ConvertError(f"--save-every {self.save_every} must be 0 (no checkpoints) or a number of steps")
 
     @property
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)
+
+
+#: The local lm_eval tasks shipped in convert/eval_tasks/ (`convert.evaluate.LOCAL_TASKS`).
+EVAL_TASKS = "convert_ppl,convert_mc"
+
+
+@dataclass
+class EvalOptions(_FromKwargs):
+    """How `convert eval` runs lm-evaluation-harness. Every field is a flag of `convert eval` and a
+    keyword of `convert.evaluate.evaluate`."""
+
+    tasks: str = option(
+        EVAL_TASKS,
+        "lm_eval tasks, comma-separated: the local ones (no download), or any of lm_eval's own.",
+        group="output",
+    )
+    limit: int | None = option(None, "Documents per task (default: all).", group="output", kind=int)
+    batch_size: int = option(1, "lm_eval's batch size.", group="advanced")
+    device: str = option(
+        "auto", "Where the models run: auto = CUDA when present, else CPU.", group="advanced", choices=DEVICES
+    )
+    dtype: str = option("float32", "Precision of the runs.", group="advanced", choices=DTYPES)
+    max_length: int | None = option(
+        None,
+        "lm_eval's context, the longest window of a rolling perplexity (default: the original's "
+        "max_position_embeddings).",
+        group="advanced",
+        kind=int,
+        cli=False,
+    )
+
+    def __post_init__(self) -> None:
+        _choice("--device", self.device, DEVICES)
+        _choice("--dtype", self.dtype, DTYPES)
+        if not self.task_names:
+            raise ConvertError(f"--tasks {self.tasks!r}: no task given; pass e.g. --tasks {EVAL_TASKS}")
+        if self.limit is not None and self.limit < 1:
+            raise ConvertError(f"--limit {self.limit} must be at least 1 (documents per task)")
+        if self.batch_size < 1:
+            raise ConvertError(f"--batch-size {self.batch_size} must be at least 1")
+        if self.max_length is not None and self.max_length < 2:
+            raise ConvertError(f"max_length {self.max_length} must be at least 2 tokens")
+
+    @property
+    def task_names(self) -> list[str]:
+        return [task.strip() for task in self.tasks.split(",") if task.strip()]
 
 
 def cli_fields(cls) -> list:
