@@ -5,6 +5,7 @@ fill of real memory raise), the checkpoint's own values, the buffers a module co
 transformers builds any model (randomly initialised, then overwritten)."""
 
 import contextlib
+import importlib
 import json
 from pathlib import Path
 
@@ -92,7 +93,9 @@ def no_random_init():
     with pytest.MonkeyPatch.context() as monkeypatch:
         for name in ("normal_", "uniform_"):
             monkeypatch.setattr(torch.Tensor, name, _guard(f"Tensor.{name}", getattr(torch.Tensor, name)))
-        copies = transformers.initialization.TORCH_INIT_FUNCTIONS
+        # transformers' own module, whatever its package attribute says: one test module (lm_eval's
+        # imports) can leave `transformers.initialization` unset while modeling_utils holds it.
+        copies = importlib.import_module("transformers.initialization").TORCH_INIT_FUNCTIONS
         for name in RANDOM_FILLS:
             monkeypatch.setattr(torch.nn.init, name, _guard(f"torch.nn.init.{name}", getattr(torch.nn.init, name)))
             monkeypatch.setitem(copies, name, _guard(f"transformers' {name}", copies[name]))
