@@ -14,7 +14,6 @@ import functools
 import importlib
 import inspect
 import re
-import types
 
 import torch
 from transformers import (
@@ -28,12 +27,13 @@ from transformers import (
 from transformers.initialization import no_init_weights
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.utils import is_accelerate_available, logging
+from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from convert.arch import ARCHS
 from convert.errors import ConvertError
 from convert.io import Checkpoint
 from convert.layouts import module_layout
-from convert.mla.attention import build_mla_attention
+from convert.mla.attention import MLAAttention, build_mla_attention
 from convert.mla.format import MLA_MODEL_TYPE
 
 # config.json keys that describe the file, not the model.
@@ -283,6 +283,19 @@ def swap_attention(model, mla: dict) -> None:
         dtype = next(old.parameters()).dtype
         rotary = layer_rotary(inner.rotary_emb, model.config, i)
         layer.self_attn = build_mla_attention(mla, i, rotary=rotary, sliding_window=window, dtype=dtype)
+    _record_mla_attentions(inner)
+
+
+def _record_mla_attentions(inner) -> None:
+    """Let `output_attentions` record the MLA modules' weights: transformers records the outputs of
+    the classes a decoder stack's class lists (`_can_record_outputs`, `LlamaModel`: `LlamaAttention`);
+    MLAAttention is added beside the family's own, which an original model's stack still finds."""
+    records = dict(_CAN_RECORD_REGISTRY.get(inner))
+    family = records.get("attentions")
+    if family is None or MLAAttention in (family if isinstance(family, list) else [family]):
+        return
+    records["attentions"] = [*(family if isinstance(family, list) else [family]), MLAAttention]
+    _CAN_RECORD_REGISTRY[inner] = records
 
 
 class MLAConfig(PretrainedConfig):
@@ -312,7 +325,14 @@ class MLAForCausalLM(PreTrainedModel, GenerationMixin):
 
     config_class = MLAConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = True  # the family's decoder layers recompute themselves (heal)
+    supports_gradient_checkpointing = True  # the family's decoder layers recompute themselves
+    # What tools read off the class: attention through torch's SDPA (and eager, for soft-capping and
+    # output_attentions), no flash-attn / flex kernels; static-cache decoding compiles in one graph.
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _can_compile_fullgraph = True
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: MLAConfig):
@@ -338,20 +358,43 @@ class MLAForCausalLM(PreTrainedModel, GenerationMixin):
         model.tie_weights()
         return model
 
-    @property
-    def forward(self):
-        """The family's own forward, bound to this model. Its signature is what `generate` reads
-        to decide what to pass (attention_mask from padding, position_ids, logits_to_keep): a
-        `forward(*args, **kwargs)` would silently lose the padding mask. A hook may replace it."""
-        return self.__dict__.get("_hooked_forward") or types.MethodType(self._family.forward, self)
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        """The family's own causal-LM forward (`LlamaForCausalLM.forward`, …) on this model: logits,
+        the loss when `labels` are given, a KV cache of latents; family-specific arguments (Mixtral's
+        `output_router_logits`), `output_attentions` and `output_hidden_states` pass as keywords.
 
-    @forward.setter
-    def forward(self, hooked):
-        self.__dict__["_hooked_forward"] = hooked
+        A plain method with the family's parameters, so that what inspects `type(model).forward`
+        (`Trainer`'s label names, `generate`'s padding mask and `logits_to_keep`) finds them."""
+        cache_arg = _cache_argument(self._family)  # `cache` from transformers 5.24 on, `past_key_values` before
+        return self._family.forward(
+            self,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **{cache_arg: cache if cache is not None else kwargs.pop(cache_arg, None)},
+            **kwargs,
+        )
 
-    @forward.deleter
-    def forward(self):
-        self.__dict__.pop("_hooked_forward", None)
+
+@functools.cache
+def _cache_argument(family: type) -> str:
+    """The name under which a family's forward takes its KV cache."""
+    return "cache" if "cache" in inspect.signature(family.forward).parameters else "past_key_values"
 
 
 def register() -> None:

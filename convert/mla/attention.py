@@ -12,6 +12,7 @@ soft-capping. `build_mla_attention` builds one layer's module from the `mla` con
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 
 from convert.linalg.rope import latent_groups, latent_ungroup
 
@@ -183,22 +184,26 @@ class MLAAttention(nn.Module):
     ):
         # the KV cache: `cache` from transformers 5.24 on, `past_key_values` before
         cache = cache if cache is not None else past_key_values
+        # output_attentions: the (B, H, L, S) weights, as the family's eager attention returns them
+        weights = bool(kwargs.get("output_attentions"))
         if self.layout == "absorbed":
-            out = self._absorbed(hidden_states, position_embeddings, attention_mask, cache)
-        else:
-            positions = kwargs.get("position_ids")
-            out = self._factored(hidden_states, position_embeddings, attention_mask, cache, positions)
-        return out, None
+            return self._absorbed(hidden_states, position_embeddings, attention_mask, cache, weights)
+        positions = kwargs.get("position_ids")
+        return self._factored(hidden_states, position_embeddings, attention_mask, cache, positions, weights)
 
-    def _attend(self, q, k, v, attention_mask):
-        """q (B, H, L, e), k (B, 1|H, S, e), v (B, 1|H, S, f) -> (B, L, H·f)."""
-        # SDPA has no score soft-capping (Gemma 2's cap·tanh(scores/cap)): only eager can express it
-        eager = self.attn_impl == "eager" or self.softcap is not None
-        out = (self._attend_eager if eager else self._attend_sdpa)(q, k, v, attention_mask)  # (B, H, L, f)
-        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)  # (B, L, H·f)
+    def _attend(self, q, k, v, attention_mask, weights: bool = False):
+        """q (B, H, L, e), k (B, 1|H, S, e), v (B, 1|H, S, f) -> (B, L, H·f), and the attention
+        weights (B, H, L, S) when `weights` (else None)."""
+        # SDPA has no score soft-capping (Gemma 2's cap·tanh(scores/cap)) and returns no weights
+        if self.attn_impl == "eager" or self.softcap is not None or weights:
+            out, probs = self._attend_eager(q, k, v, attention_mask)  # (B, H, L, f), (B, H, L, S)
+        else:
+            out, probs = self._attend_sdpa(q, k, v, attention_mask), None
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1), (probs if weights else None)  # (B, L, H·f)
 
     def _attend_eager(self, q, k, v, attention_mask):
-        """Explicit (B, H, L, S) scores; a fully masked row (boolean mask) gives NaN."""
+        """Explicit (B, H, L, S) scores: the output (B, H, L, f) and the weights (B, H, L, S); a fully
+        masked row (boolean mask) gives NaN."""
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling  # (B, H, L, S)
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
@@ -210,7 +215,7 @@ class MLAAttention(nn.Module):
             scores = scores + _causal_mask(q.shape[-2], k.shape[-2], scores, self.sliding_window)
         # float32 at least, as transformers does for half precision; float64 stays float64
         probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
-        return torch.matmul(probs, v)  # (B, H, L, f)
+        return torch.matmul(probs, v), probs  # (B, H, L, f), (B, H, L, S)
 
     def _attend_sdpa(self, q, k, v, attention_mask):
         """The same attention through SDPA (same masks; a fully masked row gives 0, not NaN).
@@ -254,7 +259,7 @@ class MLAAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)  # (B, g, H/g, f)
         return out.reshape(batch, n_heads, 1, -1)  # (B, H, 1, f)
 
-    def _absorbed(self, x, position_embeddings, attention_mask, cache):
+    def _absorbed(self, x, position_embeddings, attention_mask, cache, weights: bool = False):
         c_k, c_v = self.latents(x)  # (B, L, r_K), (B, L, r_V)
         q = self._latent_query(x)  # (B, H, L, r_K)
         if self.rope:
@@ -264,7 +269,8 @@ class MLAAttention(nn.Module):
         k, v = c_k[:, None], c_v[:, None]  # (B, 1, L, r)
         if cache is not None:
             k, v = self._update_cache(cache, k, v)
-        return self.o_absorbed(self._attend(q, k, v, attention_mask))
+        out, probs = self._attend(q, k, v, attention_mask, weights)
+        return self.o_absorbed(out), probs
 
     def _update_cache(self, cache, k, v):
         if not self.joint:
@@ -272,7 +278,7 @@ class MLAAttention(nn.Module):
         k, _ = cache.update(k, k[..., :0], self.layer_idx)  # joint: one latent serves both
         return k, k
 
-    def _factored(self, x, position_embeddings, attention_mask, cache, positions):
+    def _factored(self, x, position_embeddings, attention_mask, cache, positions, weights: bool = False):
         batch = x.shape[0]
         q = self._query_heads(x)  # (B, H, L, d)
         c_k, c_v = self.latents(x)
@@ -287,17 +293,18 @@ class MLAAttention(nn.Module):
             q = apply_rope(q, cos[:, None], sin[:, None])
             k_cos, k_sin = self._key_cos_sin(cache, position_embeddings, positions, seq, x)
             k = apply_rope(k, k_cos[:, None], k_sin[:, None])
-        return self.o_proj(self._attend(q, k, v, attention_mask))
+        out, probs = self._attend(q, k, v, attention_mask, weights)
+        return self.o_proj(out), probs
 
     def _key_cos_sin(self, cache, position_embeddings, positions, seq, x):
-        """cos/sin of every key position this call attends to (B, S, d)."""
-        if cache is not None and positions is not None:
-            positions = _remember_positions(cache.layers[self.layer_idx], positions.expand(x.shape[0], -1), seq)
-        if seq == x.shape[1]:
+        """cos/sin (B, S, d) of the S keys this call attends to: the call's own without cached keys,
+        else those of the positions a twin of the cache layer keeps beside the latents."""
+        if cache is None and seq == x.shape[1]:
             return position_embeddings
         if self.rotary is None or positions is None:
             raise RuntimeError("the factored RoPE layout needs position_ids and the model's rotary embedding to decode")
-        return self.rotary(x, positions)
+        key_positions = _cached_positions(cache.layers[self.layer_idx], positions.expand(x.shape[0], -1))  # (B, S)
+        return self.rotary(x, key_positions)
 
 
 def build_mla_attention(
@@ -338,15 +345,35 @@ def layer_tensors(state: dict[str, torch.Tensor], mla: dict, layer: int) -> dict
     return {name[len(prefix) :]: t for name, t in state.items() if name.startswith(prefix)}
 
 
-def _remember_positions(layer, positions: torch.Tensor, seq: int) -> torch.Tensor:
-    """Positions (B, S) of the S keys this call attends to; the cache layer keeps
-    those of the keys it stores (a sliding-window layer keeps only the last ones)."""
-    previous = getattr(layer, "mla_positions", None)
-    if previous is None or previous.shape[-1] + positions.shape[-1] != seq:
-        previous = positions[:, :0]
-    attended = torch.cat([previous, positions], dim=-1)  # (B, S)
-    layer.mla_positions = attended[:, attended.shape[-1] - layer.keys.shape[-2] :]
-    return attended
+def _cached_positions(layer, positions: torch.Tensor) -> torch.Tensor:
+    """The positions (B, S) of the keys `layer` (a transformers cache layer, just updated with this
+    call's latents) returns. A twin layer of the same kind stores them (B, 1, S, 1) and so keeps
+    them in step through everything the kind does: grow, slide, roll, static slots (then the
+    returned slots past the written ones are masked, as the latents' are). A layer emptied since
+    (`Cache.reset`, or a new sequence in a reused static cache) gets a new twin at its prefill."""
+    twin = getattr(layer, "mla_positions", None)
+    if twin is None or (positions.shape[-1] > 1 and _starts_anew(layer, positions.shape[-1])):
+        layer.mla_positions = twin = _twin_layer(layer)
+    stored = positions[:, None, :, None]  # (B, 1, L, 1): as keys, with no values (B, 1, L, 0)
+    keys, _ = twin.update(stored, stored[..., :0])  # (B, 1, S, 1)
+    return keys[:, 0, :, 0]  # (B, S)
+
+
+def _starts_anew(layer, length: int) -> bool:
+    """Whether `layer` holds only this call's `length` keys (its length is a tensor in static layers:
+    read here at a prefill, never in a decode step)."""
+    return int(layer.get_seq_length()) == length
+
+
+def _twin_layer(layer):
+    """An empty cache layer of `layer`'s kind (its window, its static size)."""
+    if isinstance(layer, StaticSlidingWindowLayer):
+        return StaticSlidingWindowLayer(max_cache_len=layer.max_cache_len, sliding_window=layer.max_cache_len)
+    if isinstance(layer, StaticLayer):
+        return StaticLayer(max_cache_len=layer.max_cache_len)
+    if isinstance(layer, DynamicSlidingWindowLayer):
+        return DynamicSlidingWindowLayer(sliding_window=layer.sliding_window)
+    return DynamicLayer()
 
 
 def _decode_groups(n_heads: int, batch: int, device: torch.device) -> int:

@@ -111,10 +111,12 @@ def load_mla_model(path, device=None, dtype=None):
 
 
 def cache_bytes_per_token(model, n_tokens: int = 8, as_dtype: torch.dtype | None = None) -> float:
-    """Bytes the model's KV cache really allocates per token, measured on a forward pass.
+    """Bytes the model's KV cache really allocates per token for its latents, measured on a forward
+    pass (the factored layout's RoPE also keeps each token's int64 position beside them, not counted:
+    the figure is the one `config.json` and the summary give).
 
-    as_dtype: count the cached floating-point values at this dtype's size (the
-    checkpoint's, whatever precision the run used); positions keep their own.
+    as_dtype: count the cached values at this dtype's size (the checkpoint's, whatever
+    precision the run used).
     """
     device = next(model.parameters()).device
     ids = torch.zeros(1, n_tokens, dtype=torch.long, device=device)
@@ -122,10 +124,7 @@ def cache_bytes_per_token(model, n_tokens: int = 8, as_dtype: torch.dtype | None
         cache = model(ids, use_cache=True).past_key_values
     total = 0
     for layer in cache.layers:
-        for tensor in (layer.keys, layer.values, getattr(layer, "mla_positions", None)):
+        for tensor in (layer.keys, layer.values):
             if tensor is not None:
-                size = tensor.element_size()
-                if as_dtype is not None and tensor.is_floating_point():
-                    size = dtype_itemsize(as_dtype)
-                total += tensor.numel() * size
+                total += tensor.numel() * (tensor.element_size() if as_dtype is None else dtype_itemsize(as_dtype))
     return total / n_tokens
