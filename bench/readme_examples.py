@@ -13,6 +13,7 @@ README, so what it says is what was measured.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -38,6 +39,11 @@ def rewrite(readme: Path, timed: list[tuple[rx.Example, float]]) -> None:
     readme.write_text(text)
 
 
+def _previous(path: Path) -> list[dict]:
+    """The rows of an earlier run's results (none if there is no such file)."""
+    return json.loads(path.read_text())["examples"] if path.is_file() else []
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     C.add_common_args(parser, "readme_examples", repeat=1)
@@ -58,7 +64,8 @@ def main(argv=None) -> int:
                 timed.append((example, seconds))
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    result["examples"] = rows
+    kept = [row for row in _previous(args.out) if row["kind"] not in args.kinds.split(",")]  # kinds not run now
+    result["examples"] = kept + rows
     C.write_json(args.out, result)
     if not args.no_rewrite:
         rewrite(rx.README, timed)

@@ -12,7 +12,7 @@ torch objects (`run_dtype`, `torch_device`, `TORCH_DTYPES`), on first use.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -404,8 +404,12 @@ class HealOptions(_FromKwargs):
     force: bool = option(
         False, "Replace the output directory if it exists (only one that convert wrote).", group="output"
     )
-    steps: int = option(
-        200, "Optimizer steps (each on one global batch of windows: see --batch-size).", group="training"
+    steps: int | None = option(
+        None,
+        "Optimizer steps (each on one global batch of windows: see --batch-size). Default: sized by the "
+        "device (CPU 200, CUDA 2,000).",
+        group="training",
+        kind=int,
     )
     lr: float = option(
         1e-3,
@@ -413,13 +417,20 @@ class HealOptions(_FromKwargs):
         "(warmed up over 10 steps, then a cosine to 0).",
         group="training",
     )
-    window: int = option(256, "Tokens per training window.", group="training")
-    eval_window: int = option(1024, "Tokens per window of the before/after perplexity.", group="training")
-    tokens: int = option(
-        16384,
-        "Tokens of --text to use (the last eighth is held out unless --eval-text; of the rest, the last "
-        "sixteenth is kept for --check-every).",
+    window: int | None = option(
+        None,
+        "Tokens per training window. Default: sized by the device (CPU 256, CUDA 1,024).",
         group="training",
+        kind=int,
+    )
+    eval_window: int = option(1024, "Tokens per window of the before/after perplexity.", group="training")
+    tokens: int | None = option(
+        None,
+        "Tokens of --text to use (the last eighth is held out unless --eval-text; of the rest, the last "
+        "sixteenth, at most 32,768, is kept for --check-every). Default: sized by the device (CPU 16,384, "
+        "CUDA 4,194,304).",
+        group="training",
+        kind=int,
     )
     check_every: int = option(
         25,
@@ -428,17 +439,19 @@ class HealOptions(_FromKwargs):
         group="training",
     )
     seed: int = option(0, "Seed of the window order.", group="training")
-    batch_size: int = option(
-        1,
-        "Windows per micro-batch, per process (a step trains on batch size x grad accum x processes).",
+    batch_size: int | None = option(
+        None,
+        "Windows per micro-batch, per process (a step trains on batch size x grad accum x processes). "
+        "Default: sized by the device (CPU 1, CUDA 8).",
         group="training",
+        kind=int,
     )
     grad_accum: int = option(1, "Micro-batches accumulated per optimizer step, per process.", group="training")
     text_field: str = option("text", "The text's field in --text JSONL / Parquet rows.", group="training")
     streaming: bool = option(
         False,
         "Read --text as a stream, epoch after epoch (corpora larger than memory): needs --eval-text; the "
-        "check tokens are the stream's first --tokens/16.",
+        "check tokens are the stream's first --tokens/16 (at most 32,768).",
         group="training",
     )
     save_every: int = option(
@@ -473,20 +486,20 @@ class HealOptions(_FromKwargs):
         _choice("--device", self.device, DEVICES)
         if self.device == "cuda":
             resolve_device(self.device)
-        if self.steps < 1:
+        if self.steps is not None and self.steps < 1:
             raise ConvertError(f"--steps {self.steps} must be at least 1")
         if not self.lr > 0:
             raise ConvertError(f"--lr {self.lr} must be a positive learning rate (e.g. 1e-3)")
-        if self.window < 2 or self.eval_window < 2:
+        if (self.window is not None and self.window < 2) or self.eval_window < 2:
             raise ConvertError(f"--window {self.window} / --eval-window {self.eval_window}: at least 2 tokens each")
-        if self.tokens < 4:
+        if self.tokens is not None and self.tokens < 4:
             raise ConvertError(f"--tokens {self.tokens} must be at least 4")
         if self.check_every < 0:
             raise ConvertError(f"--check-every {self.check_every} must be 0 (no checks) or a number of steps")
         _choice("--mixed-precision", self.mixed_precision, MIXED_PRECISIONS)
         _choice("--log-with", self.log_with, TRACKERS)
         for flag, value in (("--batch-size", self.batch_size), ("--grad-accum", self.grad_accum)):
-            if value < 1:
+            if value is not None and value < 1:
                 raise ConvertError(f"{flag} {value} must be at least 1")
         if self.save_every < 0:
             raise ConvertError(f"--save-every {self.save_every} must be 0 (no checkpoints) or a number of steps")
@@ -494,6 +507,19 @@ class HealOptions(_FromKwargs):
     @property
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)
+
+    def sized(self) -> HealOptions:
+        """These options with every size left unset (None) taken from `HEAL_SIZES` for the device."""
+        sizes = HEAL_SIZES["cuda" if self.torch_device.type == "cuda" else "cpu"]
+        return replace(self, **{k: v for k, v in sizes.items() if getattr(self, k) is None})
+
+
+#: Healing's sizes by device, for the options left unset: what two CPU cores train in minutes
+#: (measured: docs/healing.md), and a GPU's (16,384 tokens a step; docs/healing.md, "Sized by the device").
+HEAL_SIZES = {
+    "cpu": {"steps": 200, "window": 256, "tokens": 16384, "batch_size": 1},
+    "cuda": {"steps": 2000, "window": 1024, "tokens": 1 << 22, "batch_size": 8},
+}
 
 
 #: The local lm_eval tasks shipped in convert/eval_tasks/ (`convert.evaluate.LOCAL_TASKS`).

@@ -5,7 +5,8 @@ trained to minimise KL(original ‖ converted) of the next-token distributions, 
 (`train.py`: one process, or many under `accelerate launch` / `torchrun`), on text, JSONL or
 Parquet files (`data.py`), with checkpoints to resume from (`state.py`); before/after perplexity
 and KL are measured on held-out tokens (`report.py`). `heal(model_or_path, texts, ...)` heals a
-live module in place, or a converted directory (an export included) into a new directory.
+live module in place, or a converted directory (an export included) into a new directory. The
+objective's pieces (`objective.py`) serve a loop of one's own; `trainer.py` puts them in a `Trainer`.
 """
 
 import json
@@ -19,20 +20,20 @@ from safetensors import safe_open
 
 from convert.errors import ConvertError
 from convert.healing.data import WindowsStreamed, read_tokens, token_stream, tokenizer_of
-from convert.healing.report import healing_warnings, render_markdown
-from convert.healing.state import claim, remove_checkpoints
-from convert.healing.train import (
+from convert.healing.objective import (
     Backtracking,
     distillation_loss,
+    healing_optimizer,
+    healing_scheduler,
     held_out_kl,
-    hold_out,
-    mixed_precision,
     relative_groups,
     relative_rates,
-    train,
     trainable_parameters,
     warmup_cosine,
 )
+from convert.healing.report import healing_warnings, render_markdown
+from convert.healing.state import claim, remove_checkpoints
+from convert.healing.train import CHECK_TOKENS, hold_out, mixed_precision, train
 from convert.hf import load_original
 from convert.io import SAFETENSORS_DTYPES, CheckpointWriter, check_output, open_checkpoint, output_lock, parse_size
 from convert.mla.model import read_mla_config, weight_files
@@ -46,6 +47,8 @@ __all__ = [
     "HealResult",
     "distillation_loss",
     "heal",
+    "healing_optimizer",
+    "healing_scheduler",
     "heal_model",
     "healing_warnings",
     "held_out_kl",
@@ -126,7 +129,8 @@ def _directory_data(texts, eval_texts, converted: Path, vocab_size: int, opts: H
     if opts.streaming:
         if eval_ids is None:
             raise ConvertError("--streaming reads --text as a stream, with no end to hold out: pass --eval-text")
-        held_out = -(-max(2, opts.tokens // 16) // opts.window) if opts.check_every else 0  # whole windows
+        check_tokens = max(2, min(opts.tokens // 16, CHECK_TOKENS))
+        held_out = -(-check_tokens // opts.window) if opts.check_every else 0  # whole windows
         paths = _paths(texts)
         stream = WindowsStreamed(
             lambda: token_stream(paths, tokenize, opts.text_field), opts.window, opts.seed, held_out
@@ -164,7 +168,7 @@ def heal(model_or_path, texts, *, original=None, eval_texts=None, output=None, t
     default: `<output>-training`). options: the fields of `HealOptions`. Under `accelerate launch`
     or `torchrun` every process calls it; the main one writes.
     """
-    opts = HealOptions.from_kwargs(**options)
+    opts = HealOptions.from_kwargs(**options).sized()  # sizes left unset: the device's
     if isinstance(model_or_path, torch.nn.Module):
         if original is None:
             raise ConvertError("heal(model, ...): pass original= (the model it was converted from)")

@@ -6,7 +6,6 @@ of processes; the teacher's logits are computed on the fly by a frozen copy on e
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from contextlib import nullcontext
@@ -20,78 +19,18 @@ from accelerate.utils import is_tensorboard_available
 
 from convert.errors import ConvertError, EnvironmentFailure
 from convert.healing.data import WindowsInMemory, WindowsStreamed, rank_samples
+from convert.healing.objective import (
+    Backtracking,
+    distillation_loss,
+    healing_optimizer,
+    healing_scheduler,
+    held_out_kl,
+    schedule_at,
+)
 from convert.healing.state import TrainingState, latest_checkpoint, load_checkpoint, save_checkpoint
 from convert.options import HealOptions
 from convert.progress import progress
 from convert.verify.e2e import compare_models
-
-#: Export tensors that hold the pass-through of DeepseekV3's latent norm (`convert.targets`): the norm
-#: weights and the transformers target's constant bias row M. Never trained: a relative learning
-#: rate would move their zero entries by ~1e-3·M.
-_PASS_THROUGH = ("_layernorm.", "kv_a_proj_with_mqa.bias")
-
-
-def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The MLA projections: every parameter of an attention module (`*.self_attn.*`) but a
-    DeepSeek-V3 export's latent-norm pass-through (`_PASS_THROUGH`) and what the export's runtime
-    never reads (the model's `untrained_parameters`, name endings: a vllm export's attention biases)."""
-    skipped = tuple(getattr(model, "untrained_parameters", ()))
-    found = {
-        name: p
-        for name, p in model.named_parameters()
-        if ".self_attn." in name and not any(part in name for part in _PASS_THROUGH) and not name.endswith(skipped)
-    }
-    if not found:
-        raise ConvertError("the model has no `.self_attn.` parameters to heal; pass a converted MLA model")
-    return found
-
-
-def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """Mean over tokens of KL(teacher ‖ student), computed in float32 (logits (B, L, V))."""
-    log_student = torch.log_softmax(student_logits.float(), dim=-1)
-    log_teacher = torch.log_softmax(teacher_logits.float(), dim=-1)
-    return (log_teacher.exp() * (log_teacher - log_student)).sum(-1).mean()
-
-
-def relative_rates(parameters, lr: float) -> list[float]:
-    """Each tensor's learning rate: lr × its RMS (an all-zero tensor, e.g. a bias the conversion left
-    at 0, takes the median RMS of the others). Adam moves every entry by about its learning rate
-    whatever the gradient's scale, so an absolute rate would move a tensor of small entries far more,
-    relatively, than one of large entries (a vllm export's o_proj is ~1e8, its kv_b_proj ~0.03)."""
-    rms = [float(p.detach().float().pow(2).mean().sqrt()) for p in parameters]
-    nonzero = sorted(r for r in rms if r > 0)
-    fallback = nonzero[len(nonzero) // 2] if nonzero else 1.0
-    return [lr * (r if r > 0 else fallback) for r in rms]
-
-
-def relative_groups(parameters, lr: float) -> list[dict]:
-    """One AdamW group per tensor at its `relative_rates` rate."""
-    parameters = list(parameters)
-    return [{"params": [p], "lr": rate} for p, rate in zip(parameters, relative_rates(parameters, lr))]
-
-
-def warmup_cosine(step: int, steps: int, warmup: int = 10) -> float:
-    """The learning rate's factor at `step`: linear warmup over `warmup` steps, then a cosine to 0."""
-    return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
-
-
-def windows_of(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
-    """Non-overlapping windows (1, ≤window) of `ids` (1, N); a last window of one token is dropped."""
-    return [ids[:, s : s + window] for s in range(0, ids.shape[-1], window) if ids[:, s : s + window].shape[-1] > 1]
-
-
-@torch.no_grad()
-def held_out_kl(original, model, ids: torch.Tensor, window: int) -> float:
-    """KL(original ‖ model) per token on `ids` (1, N), in windows of `window` tokens (eval mode)."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for chunk in windows_of(ids, window):  # (1, ≤window)
-        n = chunk.shape[-1]
-        total += float(distillation_loss(model(chunk).logits, original(chunk).logits)) * n
-        count += n
-    model.train(was_training)
-    return total / count
 
 
 def _measure(original, model, ids: torch.Tensor, window: int) -> dict:
@@ -101,6 +40,10 @@ def _measure(original, model, ids: torch.Tensor, window: int) -> dict:
     model.train(was_training)
     keys = ("ppl_original", "ppl_converted", "ppl_ratio", "kl_mean", "top1_agreement")
     return {key: figures[key] for key in keys}
+
+
+#: The most tokens the checks measure (a sixteenth of --text below 524,288 tokens): each check runs them.
+CHECK_TOKENS = 32768
 
 
 def make_accelerator(opts: HealOptions, project_dir: Path | None):
@@ -161,28 +104,27 @@ def train(model, original, train, eval_ids: torch.Tensor, opts: HealOptions, sta
     check_ids = None if check_ids is None else check_ids.to(device)
     original.to(device).requires_grad_(False).eval()
     model.to(device)
-    trainable = trainable_parameters(model)
     flags = {name: p.requires_grad for name, p in model.named_parameters()}
-    for name, p in model.named_parameters():
-        p.requires_grad_(name in trainable)
-    base_rates = relative_rates(trainable.values(), opts.lr)
+    optimizer = healing_optimizer(model, opts.lr)  # freezes all but `trainable_parameters(model)`
     if opts.gradient_checkpointing:
         _checkpointing(model, True)
-    groups = [{"params": [p], "lr": rate} for p, rate in zip(trainable.values(), base_rates)]
-    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
     prepared, optimizer = accelerator.prepare(model, optimizer)
     live = accelerator.unwrap_model(prepared)
-    trainable = {name: p for name, p in live.named_parameters() if name in trainable}
+    trainable = {name: p for name, p in live.named_parameters() if p.requires_grad}
     before = _measure(original, live, eval_ids, opts.eval_window)
     track = None
     if check_ids is not None:
         track = Backtracking(trainable, optimizer, lambda: held_out_kl(original, live, check_ids, opts.window))
+    scheduler = healing_scheduler(optimizer, opts.steps, track)
     run = TrainingState(world=accelerator.num_processes)
     if opts.resume:
         found = latest_checkpoint(state_dir)
         if found is None:
             raise ConvertError(f"--resume: no checkpoint in {state_dir}; run without --resume to start")
         run = load_checkpoint(found, accelerator, trainable, optimizer, track, _signature(opts, accelerator))
+    schedule_at(scheduler, run.step)
+    if track:
+        track.scheduler = scheduler
     global_batch = opts.batch_size * opts.grad_accum * accelerator.num_processes
     window_tokens = opts.batch_size * opts.grad_accum * windows.window  # per process and step
     if state_dir is not None and accelerator.log_with:
@@ -203,10 +145,9 @@ def train(model, original, train, eval_ids: torch.Tensor, opts: HealOptions, sta
             )
             loss = _train_step(accelerator, prepared, original, batch.to(device), opts)  # batch (B·A, window)
             accelerator.clip_grad_norm_(list(trainable.values()), 1.0)
-            factor = (track.scale if track else 1.0) * warmup_cosine(step, opts.steps)
-            for group, rate in zip(optimizer.param_groups, base_rates):
-                group["lr"] = rate * factor
+            factor = scheduler.lr_lambdas[0](step)  # the rate's factor this step trained at
             optimizer.step()
+            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             kl = float(accelerator.reduce(loss, "mean"))
             seconds = seconds_before + time.perf_counter() - start
@@ -299,13 +240,16 @@ def _training_windows(train, opts: HealOptions):
     ids = train.reshape(1, -1)  # (1, N)
     check = None
     if opts.check_every:
-        ids, check = hold_out(ids, 16, "check tokens", "pass --check-every 0")
+        ids, check = hold_out(ids, 16, "check tokens", "pass --check-every 0", most=CHECK_TOKENS)
     return WindowsInMemory(ids, opts.window, opts.seed), check, int(ids.shape[-1])
 
 
-def hold_out(ids: torch.Tensor, part: int, what: str, fix: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ids` (1, N) split into its first tokens and its last 1/`part`, `what` (at least 2 tokens each)."""
-    n_out = max(2, ids.shape[-1] // part)
+def hold_out(
+    ids: torch.Tensor, part: int, what: str, fix: str, most: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ids` (1, N) split into its first tokens and its last 1/`part` (at most `most`), `what` (at
+    least 2 tokens each)."""
+    n_out = max(2, min(ids.shape[-1] // part, most or ids.shape[-1]))
     if ids.shape[-1] - n_out < 2:
         raise ConvertError(f"--text is too short to hold out {what}: give a longer text or {fix}")
     return ids[:, :-n_out], ids[:, -n_out:]
@@ -319,60 +263,3 @@ def _signature(opts: HealOptions, accelerator) -> dict:
 
 def _flat(opts: HealOptions) -> dict:
     return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in asdict(opts).items()}
-
-
-class Backtracking:
-    """Keeps healing from moving a model away from the original: a held-out KL (`measure`) is
-    checked every few steps; a better one keeps a copy of the trained tensors, a worse one puts
-    the best copy back, clears AdamW's moments and halves the rate (`scale`). One rate does
-    not suit every gap: a relative 1e-3 heals SmolLM2 at 25% of the cache but overshoots at
-    75%, where the checks bring the held-out KL back down (docs/compression.md, "Healing")."""
-
-    def __init__(self, trainable: dict[str, torch.nn.Parameter], optimizer, measure) -> None:
-        self.trainable, self.optimizer, self.measure = trainable, optimizer, measure
-        self.scale, self.halvings = 1.0, 0
-        self.best_kl = measure()
-        self.best_step = 0
-        self.history = [{"step": 0, "kl": self.best_kl, "scale": 1.0}]
-        self._best = self._copy()
-
-    def _copy(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().clone() for name, p in self.trainable.items()}
-
-    def check(self, step: int) -> None:
-        """Measure at `step`: keep the weights if better, else go back to the best at half the rate."""
-        kl = self.measure()
-        self.history.append({"step": step, "kl": kl, "scale": self.scale})
-        if kl < self.best_kl:
-            self.best_kl, self.best_step, self._best = kl, step, self._copy()
-            return
-        self.restore_best()
-        self.optimizer.state.clear()
-        self.scale /= 2
-        self.halvings += 1
-
-    @torch.no_grad()
-    def restore_best(self) -> None:
-        """Put the best weights measured back into the model."""
-        for name, p in self.trainable.items():
-            p.copy_(self._best[name])
-
-    def state_dict(self) -> dict:
-        """What a checkpoint keeps of the checks: the best weights and the figures."""
-        keep = ("scale", "halvings", "best_kl", "best_step", "history")
-        return {"best": self._best, **{k: getattr(self, k) for k in keep}}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._best = {name: t.to(self.trainable[name].device) for name, t in state["best"].items()}
-        for key in ("scale", "halvings", "best_kl", "best_step", "history"):
-            setattr(self, key, state[key])
-
-    def report(self, tokens: int) -> dict:
-        """The checks for the healing report."""
-        return {
-            "tokens": tokens,
-            "best_step": self.best_step,
-            "best_kl": self.best_kl,
-            "halvings": self.halvings,
-            "history": self.history,
-        }
