@@ -305,3 +305,126 @@ def add_common_args(parser, name: str, repeat: int = 5) -> None:
         default=600.0,
         help="seconds to wait for a quiet machine before starting anyway (default 600)",
     )
+
+
+class AllocationPeak:
+    """The peak of the bytes torch allocates on `device` inside a `with` block, above what was
+    allocated at its start: `with AllocationPeak("cpu") as peak: ...`, then `peak.bytes`.
+
+    CUDA: the caching allocator's own count (`torch.cuda.max_memory_allocated` after
+    `reset_peak_memory_stats`, minus `memory_allocated` at the start; `peak.start` is that start).
+    CPU, where torch keeps no such count: torch.profiler's memory events (`profile_memory=True`),
+    one per allocation and free of torch's CPU allocator with its address, on every thread that
+    reports to the profiler, in time order; their running sum's maximum is the peak. Blocks
+    allocated before the block are unknown to the profiler: their frees are left out, so the
+    figure never undershoots (a block that frees older tensors is charged for its allocations
+    only). Memory outside torch's allocator (numpy, Python objects) is not counted; nor are the
+    profiler's own buffers.
+
+    `peak.largest` (CPU): the largest single allocation in the block (a (B, H, L, S) score tensor
+    shows there). detail=True (CPU): `peak.live_at_peak` lists the allocations live at the peak, largest first,
+    each with its size and the ops and Python functions that made it (innermost first), and
+    `peak.top(n)` prints them: what dominates a peak."""
+
+    def __init__(self, device="cpu", detail: bool = False):
+        import torch
+
+        self.device = torch.device(device)
+        self.detail = detail
+        self.bytes: int | None = None
+        self.largest: int | None = None
+        self.start: int | None = None
+        self.live_at_peak: list[tuple[int, str]] = []
+        self._profiler = None
+
+    def __enter__(self):
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profiler = profile(
+                activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=self.detail, record_shapes=False
+            )
+            self._profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self.start
+            return False
+        self._profiler.__exit__(*exc)
+        if exc[0] is None:
+            self.bytes, self.largest, self.live_at_peak = _cpu_allocation_peak(self._profiler, self.detail)
+        self._profiler = None
+        return False
+
+    def top(self, n: int = 10) -> str:
+        """The `n` largest allocations live at the peak, one line each (detail=True)."""
+        lines = [f"peak {self.bytes:,} B; largest allocations live at the peak:"]
+        lines += [f"  {size:>14,} B  {where}" for size, where in self.live_at_peak[:n]]
+        return "\n".join(lines)
+
+
+def peak_allocated(fn, *args, device="cpu", **kwargs):
+    """(fn(*args, **kwargs), the peak bytes it allocated on `device` above what was allocated
+    before it): `AllocationPeak` around one call."""
+    with AllocationPeak(device) as peak:
+        result = fn(*args, **kwargs)
+    return result, peak.bytes
+
+
+def _cpu_allocation_peak(profiler, detail: bool) -> tuple[int, int, list[tuple[int, str]]]:
+    """(peak bytes, largest allocation, [(bytes, made by) live at the peak, largest first]) of a
+    profiler's CPU allocation events: allocations and frees paired by address, in time order."""
+    from torch._C._profiler import _EventType
+
+    events = []  # (time, ptr, size, node)
+    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            fields = node.extra_fields
+            if fields.device.type == "cpu":
+                events.append((node.start_time_ns, fields.ptr, fields.alloc_size, node))
+    events.sort(key=lambda e: e[0])
+    live, total, peak, peak_at = {}, 0, 0, -1
+    for k, (_, ptr, size, _) in enumerate(events):
+        if size > 0:
+            live[ptr] = size
+            total += size
+        elif ptr in live:  # a free of a block allocated before the profiler started is not known
+            total -= live.pop(ptr)
+        if total > peak:
+            peak, peak_at = total, k
+    largest = max((size for _, _, size, _ in events), default=0)
+    if not detail:
+        return peak, largest, []
+    live = {}
+    for _, ptr, size, node in events[: peak_at + 1]:
+        if size > 0:
+            live[ptr] = (size, node)
+        else:
+            live.pop(ptr, None)
+    made = sorted(((size, _made_by(node)) for size, node in live.values()), key=lambda x: -x[0])
+    return peak, largest, made
+
+
+def _made_by(node, depth: int = 6) -> str:
+    """The ops and Python functions around a profiler allocation event, innermost first."""
+    names, parent = [], node.parent
+    while parent is not None and len(names) < depth:
+        name = parent.name
+        skip = name.startswith(("torch/nn/modules/module.py", "<built-in method", "torch/_ops.py", "torch/utils/"))
+        if not skip and name not in names:
+            names.append(name.replace(str(REPO) + "/", ""))
+        parent = parent.parent
+    return " <- ".join(names)

@@ -338,11 +338,17 @@ class MLAForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: MLAConfig):
         super().__init__(config)
         with no_init_weights():  # initialised once, by post_init below, unless it is being loaded
-            source = _new_causal_lm(config.to_dict(), config.dtype or torch.float32)
+            # the family's masks as for SDPA: none where causal attention needs none (SDPA's own causal
+            # kernels), boolean where padding or a window needs one; never a (B, 1, L, S) float mask
+            fields = config.to_dict()
+            source = _new_causal_lm(fields, config.dtype or torch.float32, reference_attention(fields))
             swap_attention(source, config.mla)
         self.model, self.lm_head = source.model, source.lm_head
         self._family = type(source)
         self._no_split_modules = source._no_split_modules  # the decoder layers: what FSDP wraps one by one
+        # `cache` from transformers 5.24 on, `past_key_values` before: read here, not in forward, where
+        # torch.compile would trace through the functools.cache wrapper (and warn of it on every compile)
+        self._cache_arg = _cache_argument(self._family)
         self.post_init()
 
     @classmethod
@@ -376,7 +382,12 @@ class MLAForCausalLM(PreTrainedModel, GenerationMixin):
 
         A plain method with the family's parameters, so that what inspects `type(model).forward`
         (`Trainer`'s label names, `generate`'s padding mask and `logits_to_keep`) finds them."""
-        cache_arg = _cache_argument(self._family)  # `cache` from transformers 5.24 on, `past_key_values` before
+        cache_arg = self._cache_arg
+        if not torch.compiler.is_compiling():
+            # transformers registers a family's recorded classes anew with each model of the family it
+            # builds (the original, loaded after this one): MLAAttention back beside them, before the
+            # family's forward installs its output_attentions hooks
+            _record_mla_attentions(self.model)
         return self._family.forward(
             self,
             input_ids=input_ids,

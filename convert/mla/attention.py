@@ -196,14 +196,17 @@ class MLAAttention(nn.Module):
         weights (B, H, L, S) when `weights` (else None)."""
         # SDPA has no score soft-capping (Gemma 2's cap·tanh(scores/cap)) and returns no weights
         if self.attn_impl == "eager" or self.softcap is not None or weights:
-            out, probs = self._attend_eager(q, k, v, attention_mask)  # (B, H, L, f), (B, H, L, S)
+            # explicit scores on SDPA's behalf keep its zeros for a query that may see no key: NaN
+            # there (a left-padded query, boolean mask) would reach every later layer through its values
+            zero_empty = self.attn_impl != "eager"
+            out, probs = self._attend_eager(q, k, v, attention_mask, zero_empty)  # (B, H, L, f), (B, H, L, S)
         else:
             out, probs = self._attend_sdpa(q, k, v, attention_mask), None
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1), (probs if weights else None)  # (B, L, H·f)
 
-    def _attend_eager(self, q, k, v, attention_mask):
+    def _attend_eager(self, q, k, v, attention_mask, zero_empty: bool = False):
         """Explicit (B, H, L, S) scores: the output (B, H, L, f) and the weights (B, H, L, S); a fully
-        masked row (boolean mask) gives NaN."""
+        masked row (boolean mask) gives NaN, or zeros with `zero_empty` (as SDPA does)."""
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling  # (B, H, L, S)
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
@@ -215,6 +218,8 @@ class MLAAttention(nn.Module):
             scores = scores + _causal_mask(q.shape[-2], k.shape[-2], scores, self.sliding_window)
         # float32 at least, as transformers does for half precision; float64 stays float64
         probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+        if zero_empty and attention_mask is not None and attention_mask.dtype == torch.bool:
+            probs = probs.masked_fill(~attention_mask[..., : k.shape[-2]].any(-1, keepdim=True), 0.0)
         return torch.matmul(probs, v), probs  # (B, H, L, f), (B, H, L, S)
 
     def _attend_sdpa(self, q, k, v, attention_mask):
@@ -269,8 +274,22 @@ class MLAAttention(nn.Module):
         k, v = c_k[:, None], c_v[:, None]  # (B, 1, L, r)
         if cache is not None:
             k, v = self._update_cache(cache, k, v)
+            k, v = self._static_prefill(cache, attention_mask, k, v, x.shape[1])
         out, probs = self._attend(q, k, v, attention_mask, weights)
         return self.o_absorbed(out), probs
+
+    def _static_prefill(self, cache, attention_mask, k, v, length: int):
+        """k, v (B, ·, S, ·) as this call attends to them: the first `length` slots where transformers
+        passes no mask for `length` > 1 queries against more slots of a static cache layer. It does so
+        only for a prefill into an empty static cache, leaving SDPA's top-left `is_causal` to keep the
+        empty slots out (its own SDPA attention slices the keys the same way); our causal mask without
+        a mask is bottom-right aligned (queries after the cached keys, as a dynamic cache holds them),
+        which would let every query attend to the empty slots."""
+        if attention_mask is not None or length == 1 or k.shape[-2] <= length:
+            return k, v
+        if not getattr(cache.layers[self.layer_idx], "is_compileable", False):  # a dynamic layer: keys, no slots
+            return k, v
+        return k[..., :length, :], v[..., :length, :]
 
     def _update_cache(self, cache, k, v):
         if not self.joint:
@@ -293,6 +312,8 @@ class MLAAttention(nn.Module):
             q = apply_rope(q, cos[:, None], sin[:, None])
             k_cos, k_sin = self._key_cos_sin(cache, position_embeddings, positions, seq, x)
             k = apply_rope(k, k_cos[:, None], k_sin[:, None])
+        if cache is not None:
+            k, v = self._static_prefill(cache, attention_mask, k, v, x.shape[1])
         out, probs = self._attend(q, k, v, attention_mask, weights)
         return self.o_proj(out), probs
 
@@ -383,8 +404,16 @@ def _decode_groups(n_heads: int, batch: int, device: torch.device) -> int:
     Elsewhere one per head, as for GQA (not measured here)."""
     if device.type != "cpu":
         return n_heads
-    most = max(1, torch.get_num_threads() // batch)
+    most = max(1, _cpu_threads() // batch)
     return max(g for g in range(1, min(n_heads, most) + 1) if n_heads % g == 0)
+
+
+@torch.compiler.assume_constant_result
+def _cpu_threads() -> int:
+    """torch's intra-op thread count. A constant to torch.compile, which cannot put the int that
+    `torch.get_num_threads()` returns in a graph (a graph break in every decode step, an error with
+    fullgraph=True): a compiled decode step keeps the grouping it was traced with (the same values)."""
+    return torch.get_num_threads()
 
 
 def _same_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
