@@ -283,7 +283,6 @@ def swap_attention(model, mla: dict) -> None:
         dtype = next(old.parameters()).dtype
         rotary = layer_rotary(inner.rotary_emb, model.config, i)
         layer.self_attn = build_mla_attention(mla, i, rotary=rotary, sliding_window=window, dtype=dtype)
-    _record_mla_attentions(inner)
 
 
 def _record_mla_attentions(inner) -> None:
@@ -346,9 +345,7 @@ class MLAForCausalLM(PreTrainedModel, GenerationMixin):
         self.model, self.lm_head = source.model, source.lm_head
         self._family = type(source)
         self._no_split_modules = source._no_split_modules  # the decoder layers: what FSDP wraps one by one
-        # `cache` from transformers 5.24 on, `past_key_values` before: read here, not in forward, where
-        # torch.compile would trace through the functools.cache wrapper (and warn of it on every compile)
-        self._cache_arg = _cache_argument(self._family)
+        self._cache_arg = _cache_argument(self._family)  # `cache` from transformers 5.24 on, `past_key_values` before
         self.post_init()
 
     @classmethod
@@ -402,7 +399,6 @@ class MLAForCausalLM(PreTrainedModel, GenerationMixin):
         )
 
 
-@functools.cache
 def _cache_argument(family: type) -> str:
     """The name under which a family's forward takes its KV cache."""
     return "cache" if "cache" in inspect.signature(family.forward).parameters else "past_key_values"

@@ -304,23 +304,22 @@ class MLAAttention(nn.Module):
         c_k, c_v = c_k[:, None], c_v[:, None]  # (B, 1, L, r)
         if cache is not None:
             c_k, c_v = self._update_cache(cache, c_k, c_v)
+            c_k, c_v = self._static_prefill(cache, attention_mask, c_k, c_v, x.shape[1])  # up-project no empty slot
         seq = c_k.shape[-2]
         k = self.k_up(c_k[:, 0]).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, d)
         v = self.v_up(c_v[:, 0]).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, d)
         if self.rope:
             cos, sin = position_embeddings  # (B, L, d)
             q = apply_rope(q, cos[:, None], sin[:, None])
-            k_cos, k_sin = self._key_cos_sin(cache, position_embeddings, positions, seq, x)
-            k = apply_rope(k, k_cos[:, None], k_sin[:, None])
-        if cache is not None:
-            k, v = self._static_prefill(cache, attention_mask, k, v, x.shape[1])
+            k_cos, k_sin = self._key_cos_sin(cache, position_embeddings, positions, x)  # (B, ≥S, d): every slot
+            k = apply_rope(k, k_cos[:, None, :seq], k_sin[:, None, :seq])
         out, probs = self._attend(q, k, v, attention_mask, weights)
         return self.o_proj(out), probs
 
-    def _key_cos_sin(self, cache, position_embeddings, positions, seq, x):
+    def _key_cos_sin(self, cache, position_embeddings, positions, x):
         """cos/sin (B, S, d) of the S keys this call attends to: the call's own without cached keys,
         else those of the positions a twin of the cache layer keeps beside the latents."""
-        if cache is None and seq == x.shape[1]:
+        if cache is None:
             return position_embeddings
         if self.rotary is None or positions is None:
             raise RuntimeError("the factored RoPE layout needs position_ids and the model's rotary embedding to decode")
