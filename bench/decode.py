@@ -201,7 +201,8 @@ def main(argv=None) -> int:
 
     def cache_bytes(cache):
         layer = cache.layers[i]
-        tensors = (layer.keys, layer.values, getattr(layer, "mla_positions", None))
+        positions = getattr(layer, "mla_positions", None)  # the factored layout's twin layer of key positions
+        tensors = (layer.keys, layer.values, None if positions is None else positions.keys)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def rel(out, ref):

@@ -27,9 +27,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     of x; the others pass unrotated (partial RoPE's NoPE dims, and a latent's NoPE part)."""
     rotary = cos.shape[-1]
     if rotary == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
+        return _rotated(x, cos, sin)
     head, tail = x[..., :rotary], x[..., rotary:]
-    return torch.cat([head * cos + rotate_half(head) * sin, tail], dim=-1)
+    return torch.cat([_rotated(head, cos, sin), tail], dim=-1)
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x·cos + rotate_half(x)·sin in one new tensor of x's size (not three: the absorbed layout's
+    queries are G times the source's, and these temporaries were a prefill's peak)."""
+    out = rotate_half(x)
+    return out.mul_(sin).addcmul_(x, cos)
 
 
 def latent_cos_sin(cos: torch.Tensor, sin: torch.Tensor, freq_index: torch.Tensor):

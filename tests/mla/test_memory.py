@@ -77,14 +77,14 @@ def _figures(peaks, name) -> str:
 
 # Measured (torch 2.13 CPU, transformers 5.24): the original's prefill peaks at 8,523,776 B.
 _OVER = {
-    "absorbed": "12,980,224 B (1.523×): queries over the key latent (B, H, L, r_K = G·d = 64) are G = 2× "
-    "the original's (B, H, L, d): q_absorbed's output and each RoPE temporary (x·cos, rotate_half's cat, "
-    "·sin) are 2 MiB where the original's are 1 MiB",
-    "factored": "10,899,456 B (1.279×): per-head keys and values up-projected from the latent (k_up, v_up: "
-    "(B, H, S, d), 1 MiB each, H/G = 4× the original's (B, G, S, d) keys and values), and RoPE's "
-    "temporaries on the per-head keys (1 MiB each)",
-    "factored-kv0.5": "10,375,168 B (1.217×): as factored, per-head keys and values (B, H, S, d) from k_up/v_up "
-    "and RoPE on the per-head keys",
+    "absorbed": "11,407,360 B (1.338×): queries over the key latent (B, H, L, r_K = G·d = 64) are G = 2× "
+    "the original's (B, H, L, d): the rotated queries, SDPA's output and its (B, L, H·r_V) copy for "
+    "o_absorbed are 2 MiB each where the original's are 1 MiB",
+    "factored": "9,850,880 B (1.156×): per-head keys and values up-projected from the latent (k_up, v_up: "
+    "(B, H, S, d), 1 MiB each, H/G = 4× the original's (B, G, S, d) keys and values), and the rotated "
+    "per-head keys (1 MiB)",
+    "factored-kv0.5": "9,326,592 B (1.094×): as factored, per-head keys and values (B, H, S, d) from k_up/v_up "
+    "and the rotated per-head keys",
 }
 
 
