@@ -243,8 +243,7 @@ def cache_bytes_per_token(config: dict, ckpt_dtype: torch.dtype) -> tuple[float,
     size = dtype_itemsize(ckpt_dtype)
     original = mla["n_layers"] * 2 * mla["n_kv_heads"] * mla["head_dim"] * size
     converted = 0
-    positions = mla["layout"] == "factored" and mla["rope"] is not None
-    for layer in mla["layers"]:
+    for layer in mla["layers"]:  # the latents (the factored layout's key positions are not counted)
         ranks = layer["rank_kv"] if mla["latent"] == "joint" else layer["rank_k"] + layer["rank_v"]
-        converted += ranks * size + (8 if positions else 0)
+        converted += ranks * size
     return float(original), float(converted)

@@ -120,8 +120,10 @@ def test_generate_matches_original_with_latent_only_cache(tmp_path, layout):
         assert layer.keys.shape == (1, 1, prompt.shape[1], entry["rank_k"])  # one latent, no heads
         assert layer.values.shape == (1, 1, prompt.shape[1], entry["rank_v"])
     latent_bytes = sum(e["rank_k"] + e["rank_v"] for e in mla["layers"]) * 4
-    positions = 8 * len(mla["layers"]) if layout == "factored" else 0
-    assert cache_bytes_per_token(mla_model) == latent_bytes + positions
+    assert cache_bytes_per_token(mla_model) == latent_bytes  # the latents: config.json's figure
+    if layout == "factored":  # the key positions RoPE needs are kept beside them, in a twin layer
+        for layer in cache.layers:
+            assert layer.mla_positions.keys.shape == (1, 1, prompt.shape[1], 1)
 
 
 def test_joint_latent_caches_one_tensor(tmp_path):
