@@ -52,10 +52,12 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     p.add_argument("--calib-book", default="prideprejudice")
     p.add_argument("--eval-book", default="emma")
+    p.add_argument("--calib", type=Path, default=None, help="calibrate on this UTF-8 text instead of --calib-book")
+    p.add_argument("--eval-text", type=Path, default=None, help="judge on this UTF-8 text instead of --eval-book")
     p.add_argument("--calib-tokens", type=int, default=4096)
     p.add_argument("--eval-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=1024)
-    p.add_argument("--ratios", default="1,0.75,0.5,0.25")
+    p.add_argument("--ratios", "--shares", dest="ratios", default="1,0.75,0.5,0.25", help="shares of the GQA cache")
     p.add_argument("--methods", default=None, help="default: every method the model allows")
     p.add_argument("--layouts", default=None, help="default: every layout the model compresses in")
     p.add_argument(
@@ -68,6 +70,11 @@ def parse_args(argv=None):
         default=None,
         help="--calibration values to compare side by side (original, sequential); default the option's own "
         "default per layout; svd rows run once",
+    )
+    p.add_argument(
+        "--refine-steps",
+        default=None,
+        help="--refine-steps values to compare side by side (e.g. 0,50); default the option's own (sized to the device)",
     )
     p.add_argument("--out", type=Path, default=None, help="default bench/results/compression[_MODEL].json")
     p.add_argument(
@@ -88,14 +95,19 @@ def parse_args(argv=None):
     return args
 
 
-def token_ids(tokenizer, book: str, n: int) -> torch.Tensor:
-    ids = tokenizer(realdata.austen_text(book))["input_ids"][:n]
+def token_ids(tokenizer, book: str, n: int, path: Path | None = None) -> torch.Tensor:
+    """The first n token ids of `path`'s text, or of the Austen novel `book`."""
+    text = path.read_text(encoding="utf-8") if path is not None else realdata.austen_text(book)
+    ids = tokenizer(text)["input_ids"][:n]
     return torch.tensor(ids)[None]
 
 
-def run_one(model, calib_ids, eval_ids, window, method, layout, ratio, nope_angle=None, calibration="original") -> dict:
+def run_one(
+    model, calib_ids, eval_ids, window, method, layout, ratio, nope_angle=None, calibration="original", refine=None
+) -> dict:
     t0 = time.perf_counter()
     options = dict(layout=layout, kv_cache_ratio=ratio if ratio < 1 else None, calibration=calibration)
+    options |= {} if refine is None or method == "svd" else {"refine_steps": refine}
     options |= {} if nope_angle is None else {"nope_angle": nope_angle}
     if ratio < 1:
         options |= dict(method=method, calib=calib_ids if method != "svd" else None, calib_tokens=calib_ids.shape[-1])
@@ -115,6 +127,7 @@ def run_one(model, calib_ids, eval_ids, window, method, layout, ratio, nope_angl
         "nope_angle": comp.get("nope_angle", 0.0) if layout == "absorbed" and ratio < 1 else None,
         "static_freqs": comp.get("static_freqs", []),
         "calibration": comp.get("calibration") or "original",
+        "refine_steps": comp.get("refine_steps", 0),
         "ppl": ppl,
         "convert_s": convert_s,
     }
@@ -130,38 +143,44 @@ def main(argv=None):
     src = MODELS[args.model][0]()
     tokenizer = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    calib_ids = token_ids(tokenizer, args.calib_book, args.calib_tokens)
-    eval_ids = token_ids(tokenizer, args.eval_book, args.eval_tokens)
+    calib_ids = token_ids(tokenizer, args.calib_book, args.calib_tokens, args.calib)
+    eval_ids = token_ids(tokenizer, args.eval_book, args.eval_tokens, args.eval_text)
     base = perplexity(model, eval_ids, args.window)
-    print(f"original perplexity on {args.eval_book} ({eval_ids.shape[-1]} tokens): {base:.4f}", flush=True)
+    print(
+        f"original perplexity on {args.eval_text or args.eval_book} ({eval_ids.shape[-1]} tokens): {base:.4f}",
+        flush=True,
+    )
     rows = []
     ratios = [float(r) for r in args.ratios.split(",")]
     angles = [None] if args.nope_angles is None else [float(a) for a in args.nope_angles.split(",")]
     calibrations = [None] if args.calibrations is None else args.calibrations.split(",")
+    refines = [None] if args.refine_steps is None else [int(n) for n in args.refine_steps.split(",")]
     runs = [
-        (layout, ratio, method, angle, calibration)
+        (layout, ratio, method, angle, calibration, refine)
         for layout in args.layouts.split(",")
         for ratio in ratios
         for method in (args.methods.split(",") if ratio < 1 else ["exact"])
         for angle in (angles if layout == "absorbed" and ratio < 1 else [None])
         for calibration in (calibrations if method in ("whitened", "fisher") else [None])
+        for refine in (refines if method in ("whitened", "fisher") else [None])
     ]
-    for layout, ratio, method, angle, calibration in runs:
-        row = run_one(model, calib_ids, eval_ids, args.window, method, layout, ratio, angle, calibration)
+    for layout, ratio, method, angle, calibration, refine in runs:
+        row = run_one(model, calib_ids, eval_ids, args.window, method, layout, ratio, angle, calibration, refine)
         row["ppl_ratio"] = row["ppl"] / base
         row["target"] = TARGETS[layout].get(ratio)
         rows.append(row)
         print(
             f"{layout:9s} {ratio:5.2f} {row['method']:9s} {row['calibration']:10s} nope {row['nope_angle']} "
             f"cache {row['achieved_ratio']:.4f} "
-            f"ppl {row['ppl']:9.3f} ×{row['ppl_ratio']:.3f} ({row['convert_s']:.0f}s)",
+            f"refine {row['refine_steps']} ppl {row['ppl']:9.3f} ×{row['ppl_ratio']:.3f} ({row['convert_s']:.0f}s)",
             flush=True,
         )
+        print(f"share {ratio:g} ppl_ratio {row['ppl_ratio']:.3f}", flush=True)
     result = {
         "model": MODELS[args.model][1],
         "original_ppl": base,
-        "calib": {"book": args.calib_book, "tokens": calib_ids.shape[-1]},
-        "eval": {"book": args.eval_book, "tokens": eval_ids.shape[-1], "window": args.window},
+        "calib": {"book": str(args.calib or args.calib_book), "tokens": calib_ids.shape[-1]},
+        "eval": {"book": str(args.eval_text or args.eval_book), "tokens": eval_ids.shape[-1], "window": args.window},
         "rows": rows,
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
         "command": " ".join([sys.executable, *sys.argv]),
@@ -201,8 +220,8 @@ def _variants(rows: list[dict]) -> dict:
 
 
 def _variant(r: dict) -> tuple:
-    """A row's (layout, method, nope angle, calibration)."""
-    return r["layout"], r["method"], r.get("nope_angle"), r.get("calibration", "original")
+    """A row's (layout, method, nope angle, calibration, refinement steps)."""
+    return r["layout"], r["method"], r.get("nope_angle"), r.get("calibration", "original"), r.get("refine_steps", 0)
 
 
 def _curve(rows: list[dict], variant: tuple) -> list[dict]:
@@ -210,9 +229,10 @@ def _curve(rows: list[dict], variant: tuple) -> list[dict]:
     return [r for r in rows if _variant(r) == variant or (r["method"] == "exact" and r["layout"] == variant[0])]
 
 
-def _label(method: str, angle, calibration: str) -> str:
+def _label(method: str, angle, calibration: str, refine: int = 0) -> str:
     label = method if angle is None else f"{method}, --nope-angle {angle:g}"
-    return label + (", sequential" if calibration == "sequential" else "")
+    label += ", sequential" if calibration == "sequential" else ""
+    return label + (f", refined ({refine} steps)" if refine else "")
 
 
 def draw(result: dict, path: Path) -> None:
@@ -226,17 +246,17 @@ def draw(result: dict, path: Path) -> None:
 
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    for layout, method, angle, calibration in _variants(rows):
+    for layout, method, angle, calibration, refine in _variants(rows):
         if method == "svd":
             continue  # ×266 and up: it would flatten every other line
-        hit = sorted(_curve(rows, (layout, method, angle, calibration)), key=lambda r: r["achieved_ratio"])
+        hit = sorted(_curve(rows, (layout, method, angle, calibration, refine)), key=lambda r: r["achieved_ratio"])
         style = "-" if layout == "factored" else "--"
         ax.plot(
             [r["achieved_ratio"] for r in hit],
             [r["ppl_ratio"] for r in hit],
             style,
             marker="o",
-            label=f"{layout}, {_label(method, angle, calibration)}",
+            label=f"{layout}, {_label(method, angle, calibration, refine)}",
         )
     for layout, marker in (("factored", "v"), ("absorbed", "1")):
         if not any(r["layout"] == layout for r in rows):
@@ -267,13 +287,13 @@ def markdown(result: dict) -> str:
         "|---|---|" + "---:|" * len(ratios),
     ]
     for variant in _variants(rows):
-        layout, method, angle, calibration = variant
+        layout, method, angle, calibration, refine = variant
         curve = _curve(rows, variant)
         cells = []
         for ratio in ratios:
             hit = [r for r in curve if r["ratio"] == ratio]
             cells.append(f"{hit[0]['ppl']:.2f} (×{hit[0]['ppl_ratio']:.3f})" if hit else "")
-        lines.append(f"| {layout} | {_label(method, angle, calibration)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {layout} | {_label(method, angle, calibration, refine)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -8,14 +8,20 @@ choice when it compresses), on the original model's inputs or sequentially (each
 inputs the export's own earlier layers give it, up-projections refit to the original's keys and
 values), and with plain activation whitening. Calibrates on Pride and
 Prejudice (4096 tokens), perplexity ratio against the original on a DEV text (Persuasion,
-2048 tokens).
+2048 tokens). With --refine-steps N each compressed layer's attention is then fitted to the
+original layer's attention output (`--refine-steps`, `convert.compress.refine`).
 
     python bench/vllm_latent.py
+    python bench/vllm_latent.py --calib A.txt --eval-text B.txt --shares 0.25,0.5 --refine-steps 0,50
+
+prints one line per variant and share, `share 0.25 ppl_ratio 1.234`, besides the JSON rows.
 """
 
+import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,6 +30,7 @@ import _common
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 from convert.compress.calibrate import calibrate, fisher_calibrate_streamed
+from convert.compress.refine import Refinement
 from convert.io import open_checkpoint
 from convert.targets.vllm import (
     ExportChoices,
@@ -36,11 +43,22 @@ from convert.targets.vllm import (
 )
 from convert.text import text_token_ids
 
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--calib", type=Path, default=None, help="calibration text (default Pride and Prejudice)")
+parser.add_argument("--eval-text", type=Path, default=None, help="evaluation text (default Persuasion)")
+parser.add_argument("--shares", default="1,0.75,0.5,0.25", help="shares of the latent content kept")
+parser.add_argument("--refine-steps", default="0", help="attention-output refinement steps to compare (e.g. 0,50)")
+parser.add_argument("--variants", default="sequential,original,whitened", help="fisher sequential/original, whitened")
+parser.add_argument("--out", type=Path, default=_common.RESULTS / "vllm_latent_smollm2.json")
+args = parser.parse_args()
+
 torch.set_num_threads(2)
 src = _common.smollm2_dir()
 config = json.loads((src / "config.json").read_text())
-dev = text_token_ids(_common.austen_file("persuasion"), src, config["vocab_size"], 2048)
-cal = text_token_ids(_common.austen_file("prideprejudice"), src, config["vocab_size"], 4096)
+dev_file = args.eval_text or _common.austen_file("persuasion")
+calib_file = args.calib or _common.austen_file("prideprejudice")
+dev = text_token_ids(dev_file, src, config["vocab_size"], 2048)
+cal = text_token_ids(calib_file, src, config["vocab_size"], 4096)
 layers = config["num_hidden_layers"]
 t0 = time.perf_counter()
 with open_checkpoint(src) as ck:
@@ -62,18 +80,26 @@ def ppl(m):
 p0 = ppl(orig)
 need = latent_content_rank(spec)
 results = []
-for share in (1.0, 0.75, 0.5, 0.25):
+VARIANTS = {
+    "sequential": ("fisher", stats, True),
+    "original": ("fisher", stats, False),
+    "whitened": ("whitened", whitened, False),
+}
+for share in [float(x) for x in args.shares.split(",")]:
     rank = round(need * share)
-    for weighting, layer_stats, sequential in (
-        ("fisher", stats, True),
-        ("fisher", stats, False),
-        ("whitened", whitened, False),
+    for (weighting, layer_stats, sequential), steps in (
+        (VARIANTS[v], int(n)) for v in args.variants.split(",") for n in args.refine_steps.split(",")
     ):
-        if share == 1.0 and (weighting == "whitened" or not sequential):
+        if share == 1.0 and (weighting == "whitened" or not sequential or steps):
             continue  # exact: no weighting involved
         t0 = time.perf_counter()
         with open_checkpoint(src) as ck:
-            seq = SequentialLatents(ck, config, cal) if sequential and share < 1.0 else None
+            refinement = Refinement(steps=steps)
+            seq = (
+                SequentialLatents(ck, config, cal, refit=sequential, refinement=refinement)
+                if (sequential or steps) and share < 1.0
+                else None
+            )
             t, c = to_vllm_deepseek(sd, config, ExportChoices(stats=layer_stats, rank=rank, sequential=seq))
         export_s = time.perf_counter() - t0
         export = c.pop("convert_export")
@@ -86,17 +112,19 @@ for share in (1.0, 0.75, 0.5, 0.25):
                 "rank": rank,
                 "weighting": export["latent_weighting"] or "exact",
                 "calibration": export["latent_calibration"],
+                "refine_steps": export.get("latent_refine_steps", 0),
                 "export_s": export_s,
                 "ppl_ratio_dev": ppl(m) / p0,
             }
         )
         print(results[-1], flush=True)
+        print(f"share {share:g} ppl_ratio {results[-1]['ppl_ratio_dev']:.3f}", flush=True)
 _common.write_json(
-    _common.RESULTS / "vllm_latent_smollm2.json",
+    args.out,
     {
         "command": _common.command_line(),
-        "dev_book": "persuasion",
-        "calib_book": "prideprejudice",
+        "dev_book": str(args.eval_text or "persuasion"),
+        "calib_book": str(args.calib or "prideprejudice"),
         "calib_tokens": cal.shape[-1],
         "latent_content_dims": need,
         "calibration_s": calibration_s,

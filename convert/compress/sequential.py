@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from convert.compress.calibrate import normed_keys, windows
+from convert.compress.refine import NO_REFINEMENT, Refined, Refinement, refine_attention
 from convert.mla.attention import build_mla_attention
-from convert.stream import LayerStream, materialize
+from convert.stream import LayerStream
 
 
 @dataclass
@@ -40,7 +41,17 @@ class SequentialStats:
 class SequentialCalibration:
     """The calibration windows' hidden states in the original model and in the compressed one."""
 
-    def __init__(self, checkpoint, config: dict, token_ids: torch.Tensor, window: int = 1024, dtype=torch.float32):
+    def __init__(
+        self,
+        checkpoint,
+        config: dict,
+        token_ids: torch.Tensor,
+        window: int = 1024,
+        dtype=torch.float32,
+        refinement: Refinement = NO_REFINEMENT,
+    ):
+        self.refinement = refinement
+        self.refined: list[Refined] = []
         rows = windows(token_ids, min(window, token_ids.shape[-1]))  # (B, L)
         self.stream = LayerStream(checkpoint, config, torch.device("cpu"), dtype)
         self.original = self.stream.embed(rows)  # (B, L, D)
@@ -50,11 +61,13 @@ class SequentialCalibration:
     def _normed(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.decoder.input_layernorm(hidden) if self.stream.arch.pre_norm else hidden
 
+    def _load(self, layer: int) -> None:
+        if self.decoder is None:
+            self.decoder = self.stream.decoder(layer)
+
     def stats(self, layer: int) -> SequentialStats:
         """Load layer `layer` and measure its inputs in both models."""
-        prefix = f"model.layers.{layer}."
-        build = lambda: self.stream.decoder_cls(self.stream.ref_config, layer)
-        self.decoder = materialize(build, self.stream.checkpoint, prefix, self.stream.device, self.stream.dtype)
+        self._load(layer)
         with torch.no_grad():
             y = self._normed(self.compressed).reshape(-1, self.compressed.shape[-1]).double()  # (B·L, D)
             y0 = self._normed(self.original).reshape(-1, self.original.shape[-1]).double()
@@ -68,23 +81,69 @@ class SequentialCalibration:
             stats.normed_keys = (k.T @ k / n, k0.T @ k / n)
         return stats
 
-    def advance(self, layer: int, mla: dict, tensors: dict[str, torch.Tensor]) -> None:
-        """Run layer `layer` in both models: the original's attention, then the converted one."""
+    def advance(self, layer: int, mla: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run layer `layer` in both models: the original's attention, then the converted one
+        (refined first when asked). Returns the converted tensors as run (refined or not)."""
+        self._load(layer)
         window = getattr(self.decoder.self_attn, "sliding_window", None)
         tensors = {name: t.to(self.stream.dtype) for name, t in tensors.items()}
         rope = self.stream.layer_rotary(layer)
-        self.advance_with(layer, build_mla_attention(mla, layer, tensors, rotary=rope, sliding_window=window))
+        attention = build_mla_attention(mla, layer, tensors, rotary=rope, sliding_window=window)
+        self.advance_with(layer, attention, refine=self.refinement.steps > 0)
+        return {name: t.detach() for name, t in attention.state_dict().items()}
 
-    def advance_with(self, layer: int, attention: torch.nn.Module) -> None:
+    def advance_with(self, layer: int, attention: torch.nn.Module, refine: bool = False) -> None:
         """Run layer `layer` in both models: the original with its own attention, the compressed one
-        with `attention` in its place (called as the decoder calls its self_attn)."""
+        with `attention` in its place (called as the decoder calls its self_attn). refine: first fit
+        `attention` to the original attention's output (`convert.compress.refine`)."""
+        self._load(layer)
         positions, rotary, mask = self.stream.inputs(layer, self.original)
         run = lambda h: self.decoder(h, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
         with torch.no_grad():
-            self.original = _hidden(run(self.original))
+            if refine:
+                with _captured(self.decoder.self_attn, output=True) as target:
+                    self.original = _hidden(run(self.original))
+            else:
+                self.original = _hidden(run(self.original))
             self.decoder.self_attn = attention
+            if refine:
+                with _captured(attention, output=False) as call:
+                    try:
+                        run(self.compressed)
+                    except _Stop:
+                        pass
+        if refine:
+            self.refined.append(refine_attention(attention, call["kwargs"], target["output"], self.refinement))
+        with torch.no_grad():
             self.compressed = _hidden(run(self.compressed))
         self.decoder = None
+
+
+class _Stop(Exception):
+    """Raised by a capturing hook: what was wanted of the forward pass is had."""
+
+
+class _captured:
+    """Within the block, the module's output (output=True) or its call's keyword arguments with the
+    positional ones named (output=False: then the call stops there, raising _Stop) land in the dict."""
+
+    def __init__(self, module: torch.nn.Module, output: bool):
+        self.module, self.output, self.got = module, output, {}
+
+    def __enter__(self) -> dict:
+        if self.output:
+            hook = lambda m, args, out: self.got.__setitem__("output", _hidden(out).detach())
+            self.handle = self.module.register_forward_hook(hook)
+        else:
+            self.handle = self.module.register_forward_pre_hook(self._stop, with_kwargs=True)
+        return self.got
+
+    def _stop(self, module, args, kwargs):
+        self.got["kwargs"] = dict(zip(("hidden_states",), args)) | kwargs
+        raise _Stop
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
 
 
 def _hidden(out):

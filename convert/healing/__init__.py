@@ -26,10 +26,7 @@ from convert.healing.objective import (
     healing_optimizer,
     healing_scheduler,
     held_out_kl,
-    relative_groups,
-    relative_rates,
     trainable_parameters,
-    warmup_cosine,
 )
 from convert.healing.report import healing_warnings, render_markdown
 from convert.healing.state import claim, remove_checkpoints
@@ -37,6 +34,7 @@ from convert.healing.train import CHECK_TOKENS, hold_out, mixed_precision, train
 from convert.hf import load_original
 from convert.io import SAFETENSORS_DTYPES, CheckpointWriter, check_output, open_checkpoint, output_lock, parse_size
 from convert.mla.model import read_mla_config, weight_files
+from convert.optim import relative_groups, relative_rates, warmup_cosine
 from convert.options import HealOptions
 from convert.targets import load_output
 from convert.verify import is_export

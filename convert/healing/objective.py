@@ -4,12 +4,11 @@ at per-tensor relative rates), the schedule, and the held-out checks that keep t
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from convert.errors import ConvertError
+from convert.optim import relative_groups, warmup_cosine
 
 #: Export tensors that hold the pass-through of DeepseekV3's latent norm (`convert.targets`): the norm
 #: weights and the transformers target's constant bias row M. Never trained: a relative learning
@@ -46,23 +45,6 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     return (kl * mask).sum() / mask.sum().clamp(min=1)
 
 
-def relative_rates(parameters, lr: float) -> list[float]:
-    """Each tensor's learning rate: lr × its RMS (an all-zero tensor, e.g. a bias the conversion left
-    at 0, takes the median RMS of the others). Adam moves every entry by about its learning rate
-    whatever the gradient's scale, so an absolute rate would move a tensor of small entries far more,
-    relatively, than one of large entries (a vllm export's o_proj is ~1e8, its kv_b_proj ~0.03)."""
-    rms = [float(p.detach().float().pow(2).mean().sqrt()) for p in parameters]
-    nonzero = sorted(r for r in rms if r > 0)
-    fallback = nonzero[len(nonzero) // 2] if nonzero else 1.0
-    return [lr * (r if r > 0 else fallback) for r in rms]
-
-
-def relative_groups(parameters, lr: float) -> list[dict]:
-    """One AdamW group per tensor at its `relative_rates` rate."""
-    parameters = list(parameters)
-    return [{"params": [p], "lr": rate} for p, rate in zip(parameters, relative_rates(parameters, lr))]
-
-
 def healing_optimizer(model: torch.nn.Module, lr: float = 1e-3) -> torch.optim.AdamW:
     """The optimizer of healing: AdamW (no weight decay) over `trainable_parameters(model)`, one group
     per tensor at its `relative_rates` rate; every other parameter of `model` is frozen
@@ -85,11 +67,6 @@ def schedule_at(scheduler: LambdaLR, step: int) -> None:
     scheduler.last_epoch = step
     for group, base, rate in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["lr"] = base * rate(step)
-
-
-def warmup_cosine(step: int, steps: int, warmup: int = 10) -> float:
-    """The learning rate's factor at `step`: linear warmup over `warmup` steps, then a cosine to 0."""
-    return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
 
 
 def windows_of(ids: torch.Tensor, window: int) -> list[torch.Tensor]:

@@ -97,6 +97,8 @@ def _compression_section(plan, opts) -> dict | None:
         "calib": None if calib is None else str(calib),
         "calib_tokens": opts.calib_tokens if calib is not None else None,
         "calibration": opts.resolved_calibration if calib is not None else None,
+        # Adam steps per layer fitting its attention output (convert.compress.refine; 0: none)
+        "refine_steps": opts.refine_steps if calib is not None and opts.resolved_method != "svd" else 0,
     } | (
         {"static_freqs": list(plan.spec.static_freqs), "nope_angle": opts.nope_angle} if plan.spec.static_freqs else {}
     )

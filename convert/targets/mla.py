@@ -3,12 +3,14 @@ convert a layer at a time and stream the tensors to the writer (docs/design.md, 
 "Compression" and "Output format"); loaded by `convert.load_mla_model` or, after `import convert`,
 by transformers' Auto classes. The only target that compresses."""
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
 from convert import compress
 from convert.arch import AttentionSpec
+from convert.compress.refine import Refinement
 from convert.compress.sequential import SequentialCalibration
 from convert.errors import ConvertError
 from convert.layouts import attention_view
@@ -101,6 +103,8 @@ def _plan(source, config: dict | None, opts: ConvertOptions, verifying: bool):
     if verifying:
         opts.check_verifiable()
     stats = _calibration(source, spec, opts)
+    if stats is not None:  # the refinement's steps as sized for this device, recorded in the config
+        opts = dataclasses.replace(opts, refine_steps=Refinement.sized(opts.refine_steps).steps)
     return make_plan(source, spec, opts, stats), stats, opts
 
 
@@ -150,7 +154,7 @@ def layer_tensors(source, plan: ConversionPlan, opts: ConvertOptions, stats, inf
     def convert_one(layer: int):
         weights = read_layer(source, spec, layer)
         weighting = layer_weighting(spec, opts, stats, weights, layer)
-        if sequential is not None:
+        if sequential is not None and opts.resolved_calibration == "sequential":
             weighting = _sequential_weighting(
                 weighting, sequential.stats(layer), spec.rope and weights.k_bias is not None
             )
@@ -159,23 +163,28 @@ def layer_tensors(source, plan: ConversionPlan, opts: ConvertOptions, stats, inf
     workers = 1 if sequential is not None else plan.layer_workers()
     layers = progress_bar("converting", "layer", opts.progress)(range(spec.n_layers))
     for layer, (tensors, info) in zip(layers, in_order(convert_one, range(spec.n_layers), workers)):
-        prefix = spec.prefix(layer)
-        for name in plan.layers[layer].shapes:
-            yield prefix + name, tensors[name].to(plan.dtype).contiguous()
         infos.append(info)
         if sequential is not None:
             mla = output_config(source.config, plan, opts, infos)["mla"]
-            sequential.advance(layer, mla, {name: tensors[name] for name in plan.layers[layer].shapes})
+            ran = sequential.advance(layer, mla, {name: tensors[name] for name in plan.layers[layer].shapes})
+            if sequential.refinement.steps:  # the refined tensors are the conversion's
+                tensors = ran
+        prefix = spec.prefix(layer)
+        for name in plan.layers[layer].shapes:
+            yield prefix + name, tensors[name].to(plan.dtype).contiguous()
         del tensors  # before the next layer's: a bounded number of layers in memory
 
 
 def _sequential(source, plan: ConversionPlan, opts: ConvertOptions, stats):
-    """The two-stream calibration of `--calibration sequential` (None when not asked or nothing is compressed)."""
-    if opts.resolved_calibration != "sequential" or stats is None or not opts.lossy:
+    """The two-stream calibration of `--calibration sequential` or of refinement (None when neither
+    is asked or nothing is compressed)."""
+    refinement = Refinement.sized(opts.refine_steps)  # as _plan resolved it
+    if stats is None or not opts.lossy or (opts.resolved_calibration != "sequential" and not refinement.steps):
         return None
 
     module_source = getattr(source, "module_source", source)
-    return SequentialCalibration(module_source, source.config or {}, calibration_ids(module_source, opts))
+    ids = calibration_ids(module_source, opts)
+    return SequentialCalibration(module_source, source.config or {}, ids, refinement=refinement)
 
 
 def _sequential_weighting(weighting, layer_stats, affine_key: bool):

@@ -20,6 +20,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 
 from convert import compress
 from convert.arch import AttentionSpec
+from convert.compress.refine import NO_REFINEMENT, Refinement
 from convert.compress.sequential import SequentialCalibration
 from convert.compress.weights import ridge
 from convert.errors import ConvertError
@@ -601,7 +602,7 @@ def _export_tensors(plan: _ExportPlan, choices: ExportChoices):
         tensors, squeezed = attention_tensors(weights, spec, u, q_scale, s, terms, latent)
         compressed.append(squeezed)
         if sequential is not None:
-            sequential.advance(layer, tensors, result, s)
+            tensors = sequential.advance(layer, tensors, result, s, refine=squeezed)
         for name, tensor in tensors.items():
             yield prefix + name, tensor.to(dtype).contiguous()
 
@@ -623,7 +624,11 @@ def _export_tensors(plan: _ExportPlan, choices: ExportChoices):
         "latent_dims_used": min(choices.rank, latent_content_rank(spec), spec.hidden_size),
         "latent_compressed": any(compressed),
         "latent_weighting": _weighting_name(stats) if any(compressed) else None,
-        "latent_calibration": ("sequential" if sequential is not None else "original") if any(compressed) else None,
+        "latent_calibration": (
+            ("sequential" if sequential is not None and sequential.refit else "original") if any(compressed) else None
+        ),
+        # Adam steps per compressed layer fitting its attention output (convert.compress.refine)
+        "latent_refine_steps": sequential.refine_steps if sequential is not None and any(compressed) else 0,
         "kv_cache_dims_per_token_per_layer": cache_values_per_layer(),
         "gqa_cache_dims_per_token_per_layer": 2 * spec.n_kv_heads * spec.head_dim,
     }
@@ -653,19 +658,40 @@ class SequentialLatents:
     the calibration text runs through the original model and, side by side, through the source
     with the export's attention in the layers converted so far, so layer ℓ's latent is factored
     for the inputs it will see and its up-projections refit to the original layer's keys and
-    values. One decoder layer in memory, plus both streams' hidden states."""
+    values (refit=False: factored on the original's inputs as without it). With `refinement`
+    steps, each compressed layer's export attention is then fitted to the original layer's
+    attention output (`convert.compress.refine`). One decoder layer in memory, plus both streams'
+    hidden states."""
 
-    def __init__(self, checkpoint, config: dict, token_ids: torch.Tensor):
-        self.calibration = SequentialCalibration(checkpoint, config, token_ids)
+    def __init__(
+        self,
+        checkpoint,
+        config: dict,
+        token_ids: torch.Tensor,
+        refit: bool = True,
+        refinement: Refinement = NO_REFINEMENT,
+    ):
+        self.refit = refit
+        self.calibration = SequentialCalibration(checkpoint, config, token_ids, refinement=refinement)
+
+    @property
+    def refine_steps(self) -> int:
+        return self.calibration.refinement.steps
 
     def stats(self, layer: int):
-        """Layer `layer`'s `SequentialStats` (loads it)."""
-        return self.calibration.stats(layer)
+        """Layer `layer`'s `SequentialStats` (loads it); None when the latent is not refit."""
+        return self.calibration.stats(layer) if self.refit else None
 
-    def advance(self, layer: int, tensors: dict[str, torch.Tensor], export_config: dict, s: float) -> None:
+    def advance(
+        self, layer: int, tensors: dict[str, torch.Tensor], export_config: dict, s: float, refine: bool = False
+    ) -> dict[str, torch.Tensor]:
         """Run layer `layer` in both streams, the export's attention (`tensors`, by name relative to
-        `self_attn.`) in the compressed one."""
-        self.calibration.advance_with(layer, ExportAttention(export_config, layer, tensors, s))
+        `self_attn.`) in the compressed one, refined first when `refine` and steps are asked.
+        Returns the layer's tensors as run (refined or the given ones)."""
+        attention = ExportAttention(export_config, layer, tensors, s)
+        refine = refine and self.refine_steps > 0
+        self.calibration.advance_with(layer, attention, refine=refine)
+        return attention.export_tensors(s) if refine else tensors
 
 
 class ExportAttention(torch.nn.Module):
@@ -683,6 +709,14 @@ class ExportAttention(torch.nn.Module):
         self.attention.load_state_dict(weights)
         _match_vllm_norm(self.attention, config.rms_norm_eps)
         self.rotary = DeepseekV3RotaryEmbedding(config)
+        # what vLLM never reads is not refined (`convert.compress.refine`)
+        self.untrained_parameters = tuple(name.removeprefix("self_attn.") for name in VLLM_SKIPS)
+
+    def export_tensors(self, s: float) -> dict[str, torch.Tensor]:
+        """The attention's tensors as the export writes them (o_proj × s again)."""
+        tensors = {name: t.detach().clone() for name, t in self.attention.state_dict().items()}
+        tensors["o_proj.weight"] = tensors["o_proj.weight"] * s
+        return tensors
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, **kwargs):
         L = hidden_states.shape[1]
@@ -804,8 +838,12 @@ def export_tensors(source, state_dict, opts):
             fisher = compress.fisher_calibrate_streamed(source, config, ids, spec.n_layers, progress=fisher_bar)
             for layer_stats, layer_fisher in zip(stats, fisher):
                 layer_stats.key_fisher, layer_stats.value_fisher = layer_fisher.key_fisher, layer_fisher.value_fisher
-            if (opts.calibration or VLLM_CALIBRATION) == "sequential":
-                sequential = SequentialLatents(getattr(source, "module_source", source), config, ids)
+            refit = (opts.calibration or VLLM_CALIBRATION) == "sequential"
+            # refinement of the export's latent is not yet measured on a real model: only when asked
+            refinement = Refinement.sized(opts.refine_steps) if opts.refine_steps is not None else NO_REFINEMENT
+            if refit or refinement.steps:
+                module_source = getattr(source, "module_source", source)
+                sequential = SequentialLatents(module_source, config, ids, refit=refit, refinement=refinement)
     return vllm_export(state_dict, config, ExportChoices(stats=stats, sequential=sequential))
 
 

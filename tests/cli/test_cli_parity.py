@@ -67,6 +67,7 @@ NON_DEFAULTS = {
     "calib_tokens": (["--calib-tokens", "99"], 99),
     "nope_angle": (["--nope-angle", "1.5"], 1.5),
     "calibration": (["--calibration", "sequential"], "sequential"),
+    "refine_steps": (["--refine-steps", "7"], 7),
     "max_shard_size": (["--max-shard-size", "1GB"], "1GB"),
     "force": (["--force"], True),
     "verify": (["--no-verify"], False),

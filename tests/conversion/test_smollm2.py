@@ -62,8 +62,9 @@ def test_convert_verify_passes_on_real_text(smollm2_converted, smollm2, tmp_path
 def test_fisher_compression_keeps_perplexity_at_half_the_cache(
     smollm2_tokenizer, smollm2_original, smollm2_original_lm, emma_ids
 ):
-    """Issue target at 50% of the GQA cache: perplexity ≤ 1.15× the original's, one-shot,
-    calibrated on Pride and Prejudice and evaluated on Emma (disjoint texts)."""
+    """The goal at 50% of the GQA cache: perplexity ≤ 1.05× the original's, one-shot (the default:
+    Fisher, sequential calibration, attention-output refinement), calibrated on Pride and
+    Prejudice and evaluated on Emma (disjoint texts). Without the refinement it was ×1.076."""
     import realdata
 
     from convert.mla.model import build_mla_model
@@ -77,6 +78,7 @@ def test_fisher_compression_keeps_perplexity_at_half_the_cache(
     )
     comp = state.config["mla"]["compression"]
     assert comp["method"] == "fisher" and comp["cache_dims"] == comp["budget_dims"] == comp["gqa_cache_dims"] // 2
+    assert comp["refine_steps"] > 0  # refined by default
     ratio = perplexity(build_mla_model(state.config, dict(state)), emma) / perplexity(smollm2_original_lm, emma)
     print(f"fisher 50% factored: perplexity ×{ratio:.4f}")
-    assert ratio <= 1.15
+    assert ratio <= 1.05

@@ -58,7 +58,8 @@ def prefill_peaks():
         if options is None:
             model = original
         else:
-            extra = {"calib": calib} if options.get("kv_cache_ratio") else {}
+            # refinement changes the weights' values only, not what a prefill allocates
+            extra = {"calib": calib, "refine_steps": 0} if options.get("kv_cache_ratio") else {}
             model = convert.to_mla(original, **options, **extra)
         with torch.no_grad():
             model(ids[:, :16], use_cache=True)  # warm-up: lazily built state is not the prefill's

@@ -46,8 +46,9 @@ def test_smollm2_compressed_in_memory_trains_under_trainer(smollm2_original, smo
     # whitened, global allocation, each layer factored on the original's hidden states: Fisher
     # calibration with the sequential refit (the defaults, which the tiny models' pipeline tests take)
     # takes 3-5 minutes here on 2 cores, this ~20 s, and the same kind of model comes out (ranks
-    # spread across layers, the factored layout's modules)
-    options = {"method": "whitened", "allocation": "global", "calibration": "original"}
+    # spread across layers, the factored layout's modules); no attention-output refinement (+~3 minutes,
+    # the same modules with other values: tests/compress/test_refine.py)
+    options = {"method": "whitened", "allocation": "global", "calibration": "original", "refine_steps": 0}
     model = convert.to_mla(smollm2_original, layout="factored", kv_cache_ratio=0.25, calib=calib, **options)
     assert type(model) is MLAForCausalLM
     comp = model.config.mla["compression"]

@@ -12,6 +12,7 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from convert.compress.calibrate import LayerStats
+from convert.compress.refine import Refinement
 from convert.errors import ConvertError
 from convert.targets.vllm import ExportChoices, match_vllm_norms, to_vllm_deepseek
 
@@ -323,10 +324,42 @@ def test_an_8b_shaped_source_is_compressed_into_the_latent_through_the_api(tmp_p
     exported = written["convert_export"]
     assert exported["latent_compressed"] and exported["latent_weighting"] == "fisher"
     assert exported["latent_calibration"] == (calibration or "original")
+    assert exported["latent_refine_steps"] == 0  # not by default: unmeasured on a real model
     assert exported["latent_content_dims"] == 64 * 15 + 1024 and exported["latent_dims_used"] == 510
     target = result.report["target"]
     assert target["cache_values_per_token_per_layer"] == 576 and target["gqa_cache_values_per_token_per_layer"] == 2048
     assert "COMPRESSED" in target["note"] and "smaller than" in target["note"] and "folds 2" in target["note"]
+
+
+def test_refining_a_compressed_latent_fits_each_layer_and_moves_only_what_vllm_reads(tmp_path):
+    """A tiny Llama's latent compressed to a third of what it needs (`ExportChoices(rank=…)`, as
+    every 7B+ source's is into vLLM's 512), without and with attention-output refinement: refined,
+    every layer's attention-output error on the calibration text falls; only attention tensors
+    move, and not the biases vLLM never reads; the export records the steps."""
+    from convert import compress
+    from convert.io import open_checkpoint
+    from convert.targets.vllm import SequentialLatents, latent_content_rank, resolve_vllm_spec, rotation_fit_observer
+
+    original = tiny_llama(n_kv_heads=2)
+    original.save_pretrained(tmp_path / "src", safe_serialization=True)
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    calib = torch.randint(0, VOCAB, (1, 1024), generator=torch.Generator().manual_seed(2))
+    exports, refined = {}, None
+    with open_checkpoint(tmp_path / "src") as checkpoint:
+        state = {name: checkpoint.get(name) for name in checkpoint.keys()}
+        _, view, spec = resolve_vllm_spec(state, config)
+        stats = compress.calibrate(checkpoint, config, calib, LAYERS, observe=rotation_fit_observer(view, spec, config))
+        rank = latent_content_rank(spec) // 3
+        for steps in (0, 40):
+            sequential = SequentialLatents(checkpoint, config, calib, refit=False, refinement=Refinement(steps=steps))
+            choices = ExportChoices(stats=stats, rank=rank, sequential=sequential)
+            exports[steps], export_config = to_vllm_deepseek(state, config, choices)
+            assert export_config["convert_export"]["latent_refine_steps"] == steps
+            refined = sequential.calibration.refined
+    assert len(refined) == LAYERS and all(layer.after < layer.before for layer in refined), refined
+    moved = [name for name in exports[0] if not torch.equal(exports[0][name], exports[40][name])]
+    assert moved and all(".self_attn." in name for name in moved)
+    assert not any(name.endswith(("kv_a_proj_with_mqa.bias", "o_proj.bias")) for name in moved)
 
 
 LLAMA3_ROPE = {

@@ -1,0 +1,121 @@
+"""Attention-output refinement: each compressed layer fitted to what its attention computes.
+
+The closed-form factorization (`convert.linalg.weighted`) minimises a weighted error of a
+layer's keys and of its values taken apart. What the next layer sees is the attention's
+output: softmax over the scores, the values, then the output map, where the key and value
+errors interact. After the factorization, and with the compressed model's own inputs (the
+sequential calibration's stream), this fits the layer's converted tensors to the ORIGINAL
+layer's attention output on the original model's inputs:
+
+    min  Σ ‖attn_mla(y) − attn(y°)‖² / Σ ‖attn(y°)‖²      (y: compressed stream, y°: original)
+
+by Adam over a few windows of calibration text at a time (docs/compression.md, "Attention-output
+refinement"). Deterministic for a seed; memory one decoder layer and its windows' activations.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from convert.optim import relative_groups, warmup_cosine
+
+#: Default steps per layer by the device that refines: a few seconds per SmolLM2 layer on 2 CPU cores.
+REFINE_STEPS = {"cpu": 50, "cuda": 500}
+
+
+def refine_device() -> torch.device:
+    """Where layers are refined: the GPU when there is one (the calibration streams stay on the CPU)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(frozen=True)
+class Refinement:
+    """How long and how each layer's attention is refined (steps 0: not at all)."""
+
+    steps: int = 0
+    lr: float = 3e-3  # relative: each tensor's rate is this × its RMS (`convert.optim.relative_rates`)
+    batch: int = 1  # calibration windows per step
+    seed: int = 0
+    device: str = "cpu"
+
+    @classmethod
+    def sized(cls, steps: int | None) -> "Refinement":
+        """`steps` (None: `REFINE_STEPS` for the device that refines) on `refine_device()`."""
+        device = refine_device()
+        return cls(steps=REFINE_STEPS[device.type] if steps is None else steps, device=str(device))
+
+
+#: No refinement (steps 0).
+NO_REFINEMENT = Refinement()
+
+
+@dataclass
+class Refined:
+    """One layer's relative attention-output error before and after refinement (on every window)."""
+
+    before: float
+    after: float
+
+
+def _moved(value, device: torch.device):
+    """`value` with its tensors (also inside tuples) on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_moved(v, device) for v in value)
+    return value
+
+
+def _rows(value, index: torch.Tensor, batch: int):
+    """`value` (a tensor, tuple or other) with its batch rows `index` where its first dim is the batch."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+        return value.index_select(0, index)
+    if isinstance(value, tuple):
+        return tuple(_rows(v, index, batch) for v in value)
+    return value
+
+
+def _error(attention, kwargs: dict, target: torch.Tensor) -> torch.Tensor:
+    out = attention(**kwargs)[0]
+    return (out - target).pow(2).sum() / target.pow(2).sum()
+
+
+def refine_attention(attention: torch.nn.Module, kwargs: dict, target: torch.Tensor, how: Refinement) -> Refined:
+    """Fit `attention`'s parameters (but those named by its `untrained_parameters` suffixes) in place so that `attention(**kwargs)[0]` matches `target`
+    (B, L, D): `how.steps` Adam steps over `how.batch` random windows each, each tensor's learning
+    rate `how.lr` × its RMS, warmed up over the first tenth and decayed to zero on a cosine, on `how.device` (the module comes
+    back where it was). Where the error on every window is not lower after, the tensors are restored."""
+    home = next(attention.parameters()).device
+    device = torch.device(how.device)
+    attention.to(device)
+    kwargs = {name: _moved(value, device) for name, value in kwargs.items()}
+    target = target.to(device)
+    batch = target.shape[0]
+    with torch.no_grad():
+        before = float(_error(attention, kwargs, target))
+    start = {name: t.detach().clone() for name, t in attention.state_dict().items()}
+    skips = tuple(getattr(attention, "untrained_parameters", ()))  # name suffixes left as they are
+    params = [p for name, p in attention.named_parameters() if p.is_floating_point() and not name.endswith(skips)]
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.Adam(relative_groups(params, how.lr))
+    warmup = max(1, how.steps // 10)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, how.steps, warmup))
+    generator = torch.Generator().manual_seed(how.seed)
+    for _ in range(how.steps):
+        index = torch.randperm(batch, generator=generator)[: how.batch].to(device)
+        rows = {name: _rows(value, index, batch) for name, value in kwargs.items()}
+        loss = _error(attention, rows, target.index_select(0, index))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+    for p in params:
+        p.requires_grad_(False)
+    with torch.no_grad():
+        after = float(_error(attention, kwargs, target))
+    if not after < before:  # kept only where it measures better
+        attention.load_state_dict(start)
+        after = before
+    attention.to(home)
+    return Refined(before, after)

@@ -1,0 +1,105 @@
+"""Attention-output refinement (`--refine-steps`): each compressed layer fitted by Adam to the
+original layer's attention output on the calibration text, kept only where it measures better."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import convert
+from convert.cli import main
+from convert.compress.refine import REFINE_STEPS, Refinement, refine_attention
+from convert.mla.model import build_mla_model
+
+from conftest import hf_model
+
+
+class _Linear(torch.nn.Module):
+    """A stand-in attention: a linear map, called as transformers calls self_attn."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8, bias=False)
+        torch.nn.init.normal_(self.proj.weight, generator=torch.Generator().manual_seed(seed))
+
+    def forward(self, hidden_states, attention_mask=None):
+        return self.proj(hidden_states), None
+
+
+def _fit_problem():
+    x = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(0))  # (B windows, L, D)
+    target = _Linear(seed=1)(x)[0].detach()
+    return {"hidden_states": x, "attention_mask": None}, target
+
+
+def test_refinement_fits_the_output_and_is_deterministic():
+    kwargs, target = _fit_problem()
+    how = Refinement(steps=200, lr=3e-2, seed=3)
+    first, second = _Linear(seed=2), _Linear(seed=2)
+    got = refine_attention(first, kwargs, target, how)
+    assert got.after < 0.1 * got.before  # a linear map is reachable: the error falls by > 10×
+    refine_attention(second, kwargs, target, how)
+    assert torch.equal(first.proj.weight, second.proj.weight)  # the same seed, the same tensors
+    assert not first.proj.weight.requires_grad
+
+
+def test_a_refinement_that_makes_things_worse_is_undone():
+    kwargs, target = _fit_problem()
+    module = _Linear(seed=1)  # near the target: steps of 1.0 can only throw it away
+    with torch.no_grad():
+        module.proj.weight.add_(1e-3 * torch.randn(8, 8, generator=torch.Generator().manual_seed(4)))
+    start = module.proj.weight.clone()
+    got = refine_attention(module, kwargs, target, Refinement(steps=5, lr=1.0))
+    assert 0 < got.before == got.after
+    assert torch.equal(module.proj.weight, start)
+
+
+def _logit_error(state, model, ids) -> float:
+    with torch.no_grad():
+        want = model(ids).logits
+        got = build_mla_model(state.config, dict(state), torch.float32)(ids).logits
+    return float((got - want).pow(2).mean() / want.pow(2).mean())
+
+
+@pytest.mark.parametrize("layout", ["factored", "absorbed"])
+def test_refined_conversion_is_closer_to_the_original_on_unseen_tokens(layout):
+    model = hf_model("llama", num_hidden_layers=3)
+    gen = torch.Generator().manual_seed(1)
+    calib, unseen = torch.randint(0, 128, (1, 512), generator=gen), torch.randint(0, 128, (2, 64), generator=gen)
+    options = dict(layout=layout, kv_cache_ratio=0.5, method="whitened", calib=calib, calib_tokens=512)
+    plain = convert.convert_state_dict(model.state_dict(), model.config, refine_steps=0, **options)
+    refined = convert.convert_state_dict(model.state_dict(), model.config, refine_steps=40, **options)
+    assert plain.config["mla"]["compression"]["refine_steps"] == 0
+    assert refined.config["mla"]["compression"]["refine_steps"] == 40
+    assert _logit_error(refined, model, unseen) < _logit_error(plain, model, unseen)
+    again = convert.convert_state_dict(model.state_dict(), model.config, refine_steps=40, **options)
+    assert all(torch.equal(refined[name], again[name]) for name in refined)  # deterministic
+
+
+def test_the_default_is_sized_to_the_device_and_recorded():
+    model = hf_model("llama", num_hidden_layers=1)
+    calib = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(1))
+    state = convert.convert_state_dict(model.state_dict(), model.config, kv_cache_ratio=0.5, calib=calib)
+    want = REFINE_STEPS["cuda" if torch.cuda.is_available() else "cpu"]
+    assert state.config["mla"]["compression"]["refine_steps"] == want == Refinement.sized(None).steps
+
+
+def test_cli_refine_steps_and_its_refusals(tmp_path):
+    hf_model("llama", num_hidden_layers=2).save_pretrained(tmp_path / "src", safe_serialization=True)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 20)
+    args = ["gqa2mla", str(tmp_path / "src"), "--kv-cache-ratio", "0.5", "--no-verify", "-q"]
+    result = CliRunner().invoke(
+        main, args + ["-o", str(tmp_path / "out"), "--calib", str(calib), "--refine-steps", "7"]
+    )
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["mla"]["compression"]["refine_steps"] == 7
+    refusals = [
+        (["--calib", str(calib), "--refine-steps", "-1"], "--refine-steps -1"),
+        (["--method", "svd", "--refine-steps", "5"], "--refine-steps fits each layer"),
+    ]
+    for bad, message in refusals:
+        refused = CliRunner().invoke(main, args + ["-o", str(tmp_path / "bad")] + bad)
+        assert refused.exit_code == 2 and message in refused.stderr, refused.output
+        assert not (tmp_path / "bad").exists()
