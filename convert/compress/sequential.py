@@ -10,6 +10,7 @@ keys and values, W y°, from them (C = E[y° yᵀ]; `convert.linalg.weighted._re
 Memory stays one decoder layer plus the two streams' hidden states.
 """
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -99,20 +100,13 @@ class SequentialCalibration:
         self._load(layer)
         positions, rotary, mask = self.stream.inputs(layer, self.original)
         run = lambda h: self.decoder(h, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
-        with torch.no_grad():
-            if refine:
-                with _captured(self.decoder.self_attn, output=True) as target:
-                    self.original = _hidden(run(self.original))
-            else:
-                self.original = _hidden(run(self.original))
-            self.decoder.self_attn = attention
-            if refine:
-                with _captured(attention, output=False) as call:
-                    try:
-                        run(self.compressed)
-                    except _Stop:
-                        pass
-        if refine:
+        capture = _captured(self.decoder.self_attn, output=True) if refine else contextlib.nullcontext({})
+        with torch.no_grad(), capture as target:
+            self.original = _hidden(run(self.original))
+        self.decoder.self_attn = attention
+        if refine:  # the compressed stream's call of `attention`, stopped there, then the fit
+            with torch.no_grad(), _captured(attention, output=False) as call, contextlib.suppress(_Stop):
+                run(self.compressed)
             self.refined.append(refine_attention(attention, call["kwargs"], target["output"], self.refinement))
         with torch.no_grad():
             self.compressed = _hidden(run(self.compressed))
