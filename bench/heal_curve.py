@@ -171,8 +171,8 @@ def main(argv=None):
     }
     _common.write_json(out, result)
     title = (
-        f"SmolLM2 factored at {args.ratio:.0%} of the cache, healed on {args.heal_books}, judged on "
-        f"{args.eval_book} ({device.type})"
+        f"SmolLM2 factored at {args.ratio:.0%} of the cache ({device.type})\n"
+        f"healed on {args.heal_books}, judged on {args.eval_book}"
     )
     _plot(curve.points, out.with_suffix(".png"), title)
     first, last = curve.points[0]["ppl_ratio"], curve.points[-1]["ppl_ratio"]

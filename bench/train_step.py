@@ -217,7 +217,7 @@ def main(argv=None) -> int:
             with C.AllocationPeak(device) as peak:
                 out = model(prefill_ids, use_cache=True, logits_to_keep=1)
             seconds = time.perf_counter() - t1
-            cache = out.past_key_values
+            cache = out["cache"] if "cache" in out else out["past_key_values"]  # transformers 5.24 renamed it
             kv = tensor_bytes(t for layer in cache.layers for t in (layer.keys, layer.values))
             prefill[name] = {"peak_bytes": peak.bytes, "kv_cache_bytes": kv, "seconds": seconds}
             if not cuda:

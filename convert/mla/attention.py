@@ -17,11 +17,6 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, St
 from convert.linalg.rope import latent_groups, latent_ungroup
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """rotate_half RoPE, the convention of HF Llama/Mistral/Qwen2, on the first cos.shape[-1] dims
     of x; the others pass unrotated (partial RoPE's NoPE dims, and a latent's NoPE part)."""
@@ -33,9 +28,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x·cos + rotate_half(x)·sin in one new tensor of x's size (not three: the absorbed layout's
-    queries are G times the source's, and these temporaries were a prefill's peak)."""
-    out = rotate_half(x)
+    """x·cos + rotate_half(x)·sin in one new tensor of x's size and memory layout (not three, and
+    not a contiguous copy: queries (B, H, L, d) viewed from a (B, L, H·d) projection keep that
+    layout, so SDPA's output, allocated like them, reshapes to (B, L, H·d) without a copy)."""
+    half = x.shape[-1] // 2
+    out = torch.empty_like(x)  # x's strides where x is dense
+    out[..., :half] = x[..., half:]
+    out[..., :half].neg_()
+    out[..., half:] = x[..., :half]
     return out.mul_(sin).addcmul_(x, cos)
 
 
@@ -177,14 +177,29 @@ class MLAAttention(nn.Module):
             q = self.q_norm(q)
         return q.transpose(1, 2)
 
-    def _latent_query(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, L, D) -> queries over the key latent (B, H, L, r_K): Ŵ^Q x, or with a q norm
-        W^UKᵀ applied to the normalised query at run time."""
+    def _latent_query(self, x: torch.Tensor, heads: slice, q_heads: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, L, D) -> queries of `heads` over the key latent (B, h, L, r_K): Ŵ^Q x, or with a q norm
+        W^UKᵀ applied to the normalised queries `q_heads` (B, H, L, d) at run time."""
         batch, length, _ = x.shape
         if not self.qk_norm:
-            return self.q_absorbed(x).view(batch, length, self.n_heads, self.rank_k).transpose(1, 2)
-        up = self.k_up.weight.view(self.n_heads, self.head_dim, self.rank_k)  # (H, d, r_K)
-        return torch.einsum("bhld,hdr->bhlr", self._query_heads(x), up)
+            rows = slice(heads.start * self.rank_k, heads.stop * self.rank_k)
+            q = _linear_rows(self.q_absorbed, x, rows, whole=self.n_heads * self.rank_k)  # (B, L, h·r_K)
+            return q.view(batch, length, -1, self.rank_k).transpose(1, 2)
+        up = self.k_up.weight.view(self.n_heads, self.head_dim, self.rank_k)[heads]  # (h, d, r_K)
+        return torch.einsum("bhld,hdr->bhlr", q_heads[:, heads], up)
+
+    def _head_chunks(self, length: int, weights: bool, per_head: int, budget: int, modules) -> list[slice]:
+        """The heads a prefill attends to at once: chunks of at most `budget` // `per_head` heads, so
+        that no per-chunk temporary (queries, up-projected keys and values, outputs) is wider than
+        the original's (H·d queries, G·d keys). All heads at once for a decode step (L = 1), explicit
+        scores (they are (B, H, L, S) anyway) and modules that are not plain `nn.Linear` (a PEFT
+        adapter, a quantized or an offloaded layer: slicing their weights would bypass them)."""
+        plain = all(map(_sliceable, modules))
+        sdpa = self.attn_impl == "sdpa" and self.softcap is None and not weights
+        size = max(1, budget // per_head)
+        if length == 1 or not sdpa or not plain or size >= self.n_heads:
+            return [slice(0, self.n_heads)]
+        return [slice(h, min(h + size, self.n_heads)) for h in range(0, self.n_heads, size)]
 
     def forward(
         self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, cache=None, **kwargs
@@ -273,17 +288,28 @@ class MLAAttention(nn.Module):
 
     def _absorbed(self, x, position_embeddings, attention_mask, cache, weights: bool = False):
         c_k, c_v = self.latents(x)  # (B, L, r_K), (B, L, r_V)
-        q = self._latent_query(x)  # (B, H, L, r_K)
         if self.rope:
             cos, sin = latent_cos_sin(*position_embeddings, self.freq_index(x.device))  # (B, L, r_K)
-            q = apply_rope(q, cos[:, None], sin[:, None])
             c_k = apply_rope(c_k, cos, sin)
         k, v = c_k[:, None], c_v[:, None]  # (B, 1, L, r)
         if cache is not None:
             k, v = self._update_cache(cache, k, v)
             k, v = self._static_prefill(cache, attention_mask, k, v, x.shape[1])
-        out, probs = self._attend(q, k, v, attention_mask, weights)
-        return self.o_absorbed(out), probs
+        q_heads = self._query_heads(x) if self.qk_norm else None  # (B, H, L, d)
+        queries = self.k_up if self.qk_norm else self.q_absorbed
+        width = self.n_heads * self.head_dim // 2  # half the original's queries: its RoPE holds four such
+        rotary = (cos[:, None], sin[:, None]) if self.rope else None
+        out = probs = None
+        for heads in self._head_chunks(x.shape[1], weights, self.rank_k, width, (queries, self.o_absorbed)):
+            o, probs = self._attend(self._rotated_query(x, heads, q_heads, rotary), k, v, attention_mask, weights)
+            out = _linear_cols_add(self.o_absorbed, o, _cols(heads, self.rank_v), self.n_heads * self.rank_v, out)
+            del o  # (B, L, h·r_V): not held through the next chunk's attention
+        return out, probs
+
+    def _rotated_query(self, x, heads: slice, q_heads, rotary) -> torch.Tensor:
+        """The latent queries of `heads` (B, h, L, r_K), rotated when `rotary` (cos, sin) is given."""
+        q = self._latent_query(x, heads, q_heads)
+        return apply_rope(q, *rotary) if rotary is not None else q
 
     def _static_prefill(self, cache, attention_mask, k, v, length: int):
         """k, v (B, ·, S, ·) as this call attends to them: the first `length` slots where transformers
@@ -305,7 +331,6 @@ class MLAAttention(nn.Module):
         return k, k
 
     def _factored(self, x, position_embeddings, attention_mask, cache, positions, weights: bool = False):
-        batch = x.shape[0]
         q = self._query_heads(x)  # (B, H, L, d)
         c_k, c_v = self.latents(x)
         c_k, c_v = c_k[:, None], c_v[:, None]  # (B, 1, L, r)
@@ -313,15 +338,28 @@ class MLAAttention(nn.Module):
             c_k, c_v = self._update_cache(cache, c_k, c_v)
             c_k, c_v = self._static_prefill(cache, attention_mask, c_k, c_v, x.shape[1])  # up-project no empty slot
         seq = c_k.shape[-2]
-        k = self.k_up(c_k[:, 0]).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, d)
-        v = self.v_up(c_v[:, 0]).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, d)
         if self.rope:
             cos, sin = position_embeddings  # (B, L, d)
             q = apply_rope(q, cos[:, None], sin[:, None])
             k_cos, k_sin = self._key_cos_sin(cache, position_embeddings, positions, x)  # (B, ≥S, d): every slot
-            k = apply_rope(k, k_cos[:, None, :seq], k_sin[:, None, :seq])
-        out, probs = self._attend(q, k, v, attention_mask, weights)
-        return self.o_proj(out), probs
+            k_cos, k_sin = k_cos[:, None, :seq], k_sin[:, None, :seq]
+        keys = self.n_kv_heads * self.head_dim  # the original's keys (and values) per token
+        modules = (self.k_up, self.v_up, self.o_proj)
+        out = probs = None
+        for heads in self._head_chunks(x.shape[1], weights, self.head_dim, keys, modules):
+            k, v = self._keys_values(c_k[:, 0], c_v[:, 0], heads, (k_cos, k_sin) if self.rope else None)
+            o, probs = self._attend(q[:, heads], k, v, attention_mask, weights)
+            out = _linear_cols_add(self.o_proj, o, _cols(heads, self.head_dim), self.n_heads * self.head_dim, out)
+            del k, v, o  # (B, h, S, d), (B, L, h·d): not held through the next chunk's
+        return out, probs
+
+    def _keys_values(self, c_k, c_v, heads: slice, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents (B, S, r) -> the keys and values of `heads` (B, h, S, d), keys rotated when `rotary`."""
+        batch, seq = c_k.shape[:2]
+        rows, whole = _cols(heads, self.head_dim), self.n_heads * self.head_dim
+        k = _linear_rows(self.k_up, c_k, rows, whole).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = _linear_rows(self.v_up, c_v, rows, whole).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        return (apply_rope(k, *rotary) if rotary is not None else k), v
 
     def _key_cos_sin(self, cache, position_embeddings, positions, x):
         """cos/sin (B, S, d) of the S keys this call attends to: the call's own without cached keys,
@@ -401,6 +439,41 @@ def _twin_layer(layer):
     if isinstance(layer, DynamicSlidingWindowLayer):
         return DynamicSlidingWindowLayer(sliding_window=layer.sliding_window)
     return DynamicLayer()
+
+
+def _sliceable(module: nn.Module) -> bool:
+    """A plain `nn.Linear`, run by nothing but its own forward: no subclass, no hook, no forward
+    replaced on the instance (accelerate's offloading does that to put the weights in place)."""
+    plain = type(module) is nn.Linear and "forward" not in vars(module)
+    return plain and not module._forward_hooks and not module._forward_pre_hooks
+
+
+def _cols(heads: slice, width: int) -> slice:
+    """The features of `heads` in a (…, H·width) projection."""
+    return slice(heads.start * width, heads.stop * width)
+
+
+def _linear_rows(linear: nn.Linear, x: torch.Tensor, rows: slice, whole: int) -> torch.Tensor:
+    """linear(x)[..., rows] computing only those output features (the module itself when `rows`
+    covers all `whole` of them: a wrapped or quantized module runs as it is)."""
+    if rows.start == 0 and rows.stop == whole:
+        return linear(x)
+    bias = None if linear.bias is None else linear.bias[rows]
+    return F.linear(x, linear.weight[rows], bias)
+
+
+def _linear_cols_add(linear: nn.Linear, x: torch.Tensor, cols: slice, whole: int, out: torch.Tensor | None):
+    """out + linear restricted to input features `cols` applied to x (B, L, |cols|); the bias once,
+    with the first chunk (`out` None). All `whole` input features: the module itself."""
+    if out is None and cols.start == 0 and cols.stop == whole:
+        return linear(x)
+    weight = linear.weight[:, cols]  # (D, |cols|)
+    if out is None:
+        return F.linear(x, weight, linear.bias)
+    flat = out.view(-1, out.shape[-1])  # (B·L, D): accumulated in place, no (B, L, D) temporary
+    # in out's dtype: autocast, which gave the first chunk's product its dtype, does not cover addmm_
+    flat.addmm_(x.reshape(-1, x.shape[-1]).to(out.dtype), weight.t().to(out.dtype))
+    return out
 
 
 def _decode_groups(n_heads: int, batch: int, device: torch.device) -> int:

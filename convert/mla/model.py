@@ -121,7 +121,9 @@ def cache_bytes_per_token(model, n_tokens: int = 8, as_dtype: torch.dtype | None
     device = next(model.parameters()).device
     ids = torch.zeros(1, n_tokens, dtype=torch.long, device=device)
     with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
+        out = model(ids, use_cache=True)
+    # `cache` from transformers 5.24 on; `past_key_values` before (deprecated there, with a warning)
+    cache = out["cache"] if "cache" in out else out["past_key_values"]
     total = 0
     for layer in cache.layers:
         for tensor in (layer.keys, layer.values):

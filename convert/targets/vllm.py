@@ -58,6 +58,7 @@ from convert.targets.nope_fit import (
     rotary_mixture,
     sample_keys,
 )
+from convert.targets.vllm_bias import BiasCarrier, bias_carrier, biased_projections, output_error
 from convert.transform import LayerWeights
 
 KV_LORA_RANK = 512
@@ -161,12 +162,13 @@ def rotary_directions(
     return out, kept / total
 
 
-def rotary_key_weights(w: LayerWeights, spec: AttentionSpec, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(k0 (64, D): the rotary key's rows, first | second halves; r (G·d, D): W^K less its share
-    of the rotary key, in W^K's row layout) — `rotary_mixture`/`key_remainder` on the weights."""
+def rotary_key_weights(key: torch.Tensor, spec: AttentionSpec, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """key: W^K (G·d, D) (or a bias (G·d, 1)) -> (k0 (64, D): the rotary key's rows, first | second
+    halves; r (G·d, D): W^K less its share of the rotary key, in W^K's row layout) —
+    `rotary_mixture`/`key_remainder` on the weights."""
     G, d = spec.n_kv_heads, spec.head_dim
-    hidden = w.k.shape[1]
-    k = w.k.double().T.reshape(1, hidden, G, d)  # the weight's columns as (1, D, G, d) "keys"
+    hidden = key.shape[1]
+    k = key.double().T.reshape(1, hidden, G, d)  # the weight's columns as (1, D, G, d) "keys"
     mixture = rotary_mixture(k, u)  # (1, D, 64)
     k0 = mixture[0].T  # (64, D)
     r = key_remainder(k, u, mixture)[0].reshape(hidden, G * d).T  # (G·d, D)
@@ -225,6 +227,7 @@ def attention_tensors(
     s: float,
     stand_in: torch.Tensor | None = None,
     latent: LatentFit = LatentFit(),
+    carrier: BiasCarrier | None = None,
 ) -> tuple[dict[str, torch.Tensor], bool]:
     """One layer's DeepseekV3Attention tensors (float64), by name relative to `self_attn.`, and
     whether its latent is compressed (`latent_factor`).
@@ -234,14 +237,19 @@ def attention_tensors(
     dropped rotation as q_hᵀ [[α, β], [-β, α]] r, and [h, 1, j] the (α', β') of the map added to
     its rotary query (`convert.targets.nope_fit`); default the terms unrotated, nothing added.
     latent: how the latent is factored (`latent_factor`); of the 512 dims those it does not use
-    are zero but the norm's constant rows (`NORM_ROWS`)."""
+    are zero but the norm's constant rows (`NORM_ROWS`). carrier: how the q/k/v biases ride in the
+    weights (`convert.targets.vllm_bias`); required with biases."""
     G, d, H = spec.n_kv_heads, spec.head_dim, spec.n_heads
     f = fold(d)
     first, second = rotate_half_pairs(d)
     hidden = w.q.shape[1]
     groups = group_of_head(H, G, spec.head_map)  # (H,)
-    q = w.q.double().reshape(H, d, hidden)  # (H, d, D)
-    k0, remainder = rotary_key_weights(w, spec, u)  # (64, D), (G·d, D)
+    if carrier is None and any(b is not None for b in (w.q_bias, w.k_bias, w.v_bias)):
+        raise ValueError("q/k/v biases need a BiasCarrier (calibration statistics) to be carried")
+    q = carrier.carry(w.q, w.q_bias).reshape(H, d, hidden) if carrier else w.q.double().reshape(H, d, hidden)
+    key = carrier.carry(w.k, w.k_bias) if carrier else w.k
+    k0, remainder = rotary_key_weights(key, spec, u)  # (64, D), (G·d, D)
+    value = carrier.carry(w.v, w.v_bias) if carrier else w.v
 
     if stand_in is None:
         stand_in = torch.zeros(H, 2, d // 2, 2, dtype=torch.float64)
@@ -256,7 +264,7 @@ def attention_tensors(
     k_pe = torch.stack([k0[: ROPE_DIM // 2], k0[ROPE_DIM // 2 :]], dim=1).reshape(ROPE_DIM, hidden)
     q_nope = torch.cat([alpha * q1 - beta * q2, beta * q1 + alpha * q2], dim=1)  # (H, d, D), W^Q's row layout
 
-    factor, compressed = latent_factor(remainder, w.v, spec, latent)
+    factor, compressed = latent_factor(remainder, value, spec, latent)
     used = factor.down.shape[0]
     latent = torch.zeros(KV_LORA_RANK, hidden, dtype=torch.float64)
     latent[:used] = factor.down
@@ -289,13 +297,16 @@ def check_vllm_exportable(config: dict, spec: AttentionSpec, source, dtype: torc
             f"dtype {str(dtype).removeprefix('torch.')}: the vllm target scales the residual stream by "
             f"sqrt(2^40/rms_norm_eps) (~1e8), which overflows float16; export with dtype bfloat16 or float32"
         )
-    biased = sorted(
-        {proj for layer in range(spec.n_layers) for proj in "qkvo" if spec.tensor(layer, proj, "bias") in source}
-    )
-    if biased:
+    biased = biased_projections(spec, source)
+    if "o" in biased:
         raise ConvertError(
-            f"attention biases on {', '.join(p + '_proj' for p in biased)}: vLLM's DeepSeek-V3 loads no attention "
-            "biases and would drop them silently; use --target transformers (exact, stock transformers) or mla"
+            "attention bias on o_proj: a constant on the residual stream, which vLLM's DeepSeek-V3 (no attention "
+            "biases) has no place for; use --target transformers (exact, stock transformers) or mla"
+        )
+    if biased and not calibrated:
+        raise ConvertError(
+            f"attention biases on {', '.join(p + '_proj' for p in biased)}: vLLM's DeepSeek-V3 has no attention "
+            "biases, so the export carries them in the weights on calibration inputs; give --calib TEXT"
         )
     rope_type = source_rope_type(config)
     if rope_type not in ("default", "llama3"):
@@ -315,11 +326,11 @@ def check_vllm_exportable(config: dict, spec: AttentionSpec, source, dtype: torc
         )
 
 
-def needs_calibration(spec: AttentionSpec, config: dict | None = None) -> bool:
-    """More than one key pair per rotary slot (G > 1 or d > 64), or a source RoPE vLLM turns at
-    other frequencies (llama3): the export is lossy and calibrated."""
+def needs_calibration(spec: AttentionSpec, config: dict | None = None, biased: bool = False) -> bool:
+    """More than one key pair per rotary slot (G > 1 or d > 64), a source RoPE vLLM turns at
+    other frequencies (llama3), or q/k/v biases (`biased`): the export is lossy and calibrated."""
     rope_type = source_rope_type(config) if config is not None else "default"
-    return spec.n_kv_heads * fold(spec.head_dim) > 1 or rope_type != "default"
+    return spec.n_kv_heads * fold(spec.head_dim) > 1 or rope_type != "default" or biased
 
 
 def source_rope_type(config: dict) -> str:
@@ -442,7 +453,7 @@ def rotation_fit_observer(source, spec: AttentionSpec, config, samples: int = SA
             q = attention.q_proj(window).view(L, H, d)  # pre-RoPE queries
             k = attention.k_proj(window).view(1, L, G, d)  # pre-RoPE keys
             mixture = rotary_mixture(k, u)  # (1, L, 64): what k_pe holds
-            remainder = key_remainder(k, u, mixture)[0][:, groups]  # (L, H, d): each head's group's
+            remainder = key_remainder(k, u, rotary_mixture(k, u))[0][:, groups]  # (L, H, d): each head's group's
             rotary_key = per_pair(mixture[0], f)  # (L, d): the rotary key each query pair meets
             probs = attention_probabilities(attention, window, rotary, None if mask is None else mask[:1])
             keys = sample_keys(probs[0].cpu(), samples, generator)  # (H, L, S)
@@ -588,25 +599,26 @@ def _export_tensors(plan: _ExportPlan, choices: ExportChoices):
         yield name, _cast(tensor, dtype, scale)
     yield "lm_head.weight", _cast(state_dict[plan.head or "model.embed_tokens.weight"], dtype)
     inv_freq = rope_frequencies(hf_src, spec.head_dim)[0]
-    retained, fitted, compressed = [], [], []
+    retained, fitted, compressed, carried = [], [], [], []
     for layer in range(spec.n_layers):
         weights = read_layer(source, spec, layer)
         layer_stats = stats[layer] if stats is not None else None
         u, kept = rotary_directions(weights, spec, layer_stats.moment if layer_stats is not None else None)
+        carrier = _carried_biases(weights, layer_stats, carried)
         retained.append(kept)
         terms = position_free_stand_in(choices.stand_in, layer_stats, spec.n_heads, inv_freq, choices.span)
         fitted.append(terms is not None)
         prefix = spec.prefix(layer)
         inputs = sequential.stats(layer) if sequential is not None else None
         latent = LatentFit(choices.rank, layer_stats, inputs)
-        tensors, squeezed = attention_tensors(weights, spec, u, q_scale, s, terms, latent)
+        tensors, squeezed = attention_tensors(weights, spec, u, q_scale, s, terms, latent, carrier)
         compressed.append(squeezed)
         if sequential is not None:
             tensors = sequential.advance(layer, tensors, result, s, refine=squeezed)
         for name, tensor in tensors.items():
             yield prefix + name, tensor.to(dtype).contiguous()
 
-    exact = not needs_calibration(spec, config) and not any(compressed)
+    exact = not needs_calibration(spec, config, bool(carried)) and not any(compressed)
     result["convert_export"] = {
         "target": "vllm",
         "source_model_type": config.get("model_type"),
@@ -631,6 +643,38 @@ def _export_tensors(plan: _ExportPlan, choices: ExportChoices):
         "latent_refine_steps": sequential.refine_steps if sequential is not None and any(compressed) else 0,
         "kv_cache_dims_per_token_per_layer": cache_values_per_layer(),
         "gqa_cache_dims_per_token_per_layer": 2 * spec.n_kv_heads * spec.head_dim,
+        # q/k/v biases carried in the weights (convert.targets.vllm_bias): per layer, the share of a bias
+        # left out and each projection's relative output error from it
+        "attention_biases": _bias_summary(carried),
+    }
+
+
+def _carried_biases(weights: LayerWeights, layer_stats, figures: list):
+    """The layer's `BiasCarrier` when it has q/k/v biases (else None), its figures appended to
+    `figures`: {"left_out": share, "q"/"k"/"v": the projection's relative output error}."""
+    biases = {"q": weights.q_bias, "k": weights.k_bias, "v": weights.v_bias}
+    if all(b is None for b in biases.values()):
+        return None
+    carrier = bias_carrier(layer_stats)
+    entry = {"left_out": carrier.left_out}
+    for proj, bias in biases.items():
+        if bias is None:
+            continue
+        entry[proj] = output_error(getattr(weights, proj), bias, layer_stats, carrier)
+    figures.append(entry)
+    return carrier
+
+
+def _bias_summary(figures: list[dict]) -> dict | None:
+    """convert_export's `attention_biases`: None without biases, else the per-layer figures."""
+    if not figures:
+        return None
+    projections = [p for p in "qkv" if p in figures[0]]
+    return {
+        "carried": [p + "_proj" for p in projections],
+        "where": "in the projection weights, on the calibration inputs' constant (least squares)",
+        "left_out_share": [f["left_out"] for f in figures],
+        "output_error": {p + "_proj": [f[p] for f in figures] for p in projections},
     }
 
 
@@ -819,8 +863,9 @@ def export_tensors(source, state_dict, opts):
     state_dict: the source's tensors by name (read lazily from a checkpoint)."""
     config, src_view, spec = resolve_vllm_spec(state_dict, source.config or {})
     dtype = src_view.dtype(spec.tensor(0, "q"))
-    check_vllm_exportable(config, spec, src_view, dtype, opts.calib is not None or not needs_calibration(spec, config))
-    lossy = needs_calibration(spec, config) or needs_compression(spec, config["hidden_size"])
+    calibrate = needs_calibration(spec, config, bool(biased_projections(spec, src_view)))
+    check_vllm_exportable(config, spec, src_view, dtype, opts.calib is not None or not calibrate)
+    lossy = calibrate or needs_compression(spec, config["hidden_size"])
     if lossy and opts.verify and (opts.text is None or opts.max_ppl_ratio is None):
         raise ConvertError(
             "--target vllm is lossy for this model (vLLM rotates 64 key dims shared by all heads at one frequency "
@@ -831,7 +876,7 @@ def export_tensors(source, state_dict, opts):
     if opts.calib is not None:
         ids = calibration_ids(source, opts)
         bar = progress_bar("calibrating", "layer", opts.progress)
-        observe = rotation_fit_observer(src_view, spec, config) if needs_calibration(spec, config) else None
+        observe = rotation_fit_observer(src_view, spec, config) if calibrate else None
         stats = compress.calibrate(source, config, ids, spec.n_layers, progress=bar, observe=observe)
         if needs_compression(spec, config["hidden_size"]):  # the latent is compressed: weigh it in loss units
             fisher_bar = progress_bar("fisher statistics", "layer", opts.progress)
@@ -897,6 +942,20 @@ def note(info: dict) -> str:
     return text + (
         f"LOSSY: vLLM rotates only 64 key dims shared by all heads, one frequency set{folded}; of the {components} "
         f"per rotary slot the principal mixture stays rotary{share}, the other {G * f - 1} become position-free "
-        f"(NoPE) dims in the latent, their rotation dropped{stand_in}.{latent} Stock transformers' DeepseekV3 "
-        "computes the same model as vLLM (compare there)."
+        f"(NoPE) dims in the latent, their rotation dropped{stand_in}.{latent}{_bias_note(info)} Stock "
+        "transformers' DeepseekV3 computes the same model as vLLM (compare there)."
+    )
+
+
+def _bias_note(info: dict) -> str:
+    """The note's sentence on carried attention biases ('' without)."""
+    biases = info.get("attention_biases")
+    if not biases:
+        return ""
+    worst = {proj: max(errors) for proj, errors in biases["output_error"].items()}
+    figures = ", ".join(f"{proj} {100 * err:.2g}%" for proj, err in worst.items())
+    return (
+        f" The attention biases ({', '.join(biases['carried'])}), which vLLM's DeepSeek-V3 does not have, are carried "
+        f"in the weights on the calibration inputs: at most {100 * max(biases['left_out_share']):.2g}% of a bias left "
+        f"out, each projection's output off by at most {figures} (mean square)."
     )

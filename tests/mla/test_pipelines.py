@@ -517,8 +517,9 @@ def test_device_map_auto(original, disk_checkpoints, tmp_path, layout):
         out, device_map="auto", max_memory={"cpu": budget}, offload_folder=str(tmp_path / "offload")
     )
     assert len(set(offloaded.hf_device_map.values())) > 1 and not _decoder_layer_split(offloaded.hf_device_map)
-    with torch.no_grad():
-        assert torch.equal(offloaded(ids).logits, want)
+    with torch.no_grad():  # offloaded (hooked) projections run whole, not in chunks of heads: the
+        # same products summed in another order (tests/mla/test_head_chunks.py)
+        assert rel_err(offloaded(ids).logits, want) <= 1e-6
     kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(offloaded.generate(ids[:1], **kwargs), plain.generate(ids[:1], **kwargs))
 

@@ -23,7 +23,12 @@ HIDDEN, LAYERS, VOCAB = 192, 2, 128
 
 def tiny_llama(n_kv_heads: int, head_dim: int = 64, **extra) -> LlamaForCausalLM:
     torch.manual_seed(n_kv_heads)
-    config = LlamaConfig(
+    return LlamaForCausalLM(tiny_config(LlamaConfig, n_kv_heads, head_dim, **extra)).eval()
+
+
+def tiny_config(config_class, n_kv_heads: int, head_dim: int = 64, **extra):
+    """The tests' two-layer source config of `config_class` (a transformers config class)."""
+    return config_class(
         hidden_size=HIDDEN,
         num_attention_heads=HIDDEN // head_dim * 2 if head_dim == 64 else 4,
         num_key_value_heads=n_kv_heads,
@@ -35,7 +40,6 @@ def tiny_llama(n_kv_heads: int, head_dim: int = 64, **extra) -> LlamaForCausalLM
         max_position_embeddings=256,
         **extra,
     )
-    return LlamaForCausalLM(config).eval()
 
 
 def identity_stats() -> list[LayerStats]:

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import convert
 from convert.targets.vllm import match_vllm_norms
@@ -30,19 +30,23 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 
 
 @pytest.mark.parametrize(
-    "hidden, n_heads, n_kv_heads, head_dim, rope, healed",
+    "hidden, n_heads, n_kv_heads, head_dim, rope, healed, family",
     [
-        (192, 6, 3, 64, None, False),  # SmolLM2's attention shape
-        (1024, 16, 8, 128, None, False),  # Mistral-7B's: folded frequencies, a compressed latent
-        (192, 6, 3, 64, LLAMA3 | {"original_max_position_embeddings": 64, "rope_theta": 10000.0}, False),  # YaRN
-        (192, 6, 3, 64, None, True),  # the export healed through its transformers twin (convert.heal)
+        (192, 6, 3, 64, None, False, "llama"),  # SmolLM2's attention shape
+        (1024, 16, 8, 128, None, False, "llama"),  # Mistral-7B's: folded frequencies, a compressed latent
+        (192, 6, 3, 64, LLAMA3 | {"original_max_position_embeddings": 64, "rope_theta": 10000.0}, False, "llama"),
+        (192, 6, 3, 64, None, True, "llama"),  # the export healed through its transformers twin (convert.heal)
+        (256, 8, 2, 128, None, False, "qwen2"),  # q/k/v biases carried in the weights (convert.targets.vllm_bias)
     ],
 )
 def test_vllm_serves_the_export_as_transformers_computes_it(
-    tmp_path, hidden, n_heads, n_kv_heads, head_dim, rope, healed
+    tmp_path, hidden, n_heads, n_kv_heads, head_dim, rope, healed, family
 ):
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config_class, model_class = (
+        (Qwen2Config, Qwen2ForCausalLM) if family == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    )
+    config = config_class(
         hidden_size=hidden,
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv_heads,
@@ -54,7 +58,12 @@ def test_vllm_serves_the_export_as_transformers_computes_it(
         max_position_embeddings=512,
         **({"rope_parameters": rope} if rope else {}),
     )
-    LlamaForCausalLM(config).eval().save_pretrained(tmp_path / "src")
+    source = model_class(config).eval()
+    with torch.no_grad():  # random biases (transformers starts them at zero)
+        for name, param in source.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.normal_(0.0, 0.5)
+    source.save_pretrained(tmp_path / "src")
     calib = torch.randint(0, 256, (1, 128))
     out = tmp_path / "out"
     convert.gqa2mla(tmp_path / "src", out, target="vllm", calib=calib, verify=False, progress=False)
@@ -65,7 +74,8 @@ def test_vllm_serves_the_export_as_transformers_computes_it(
                               window=128, check_every=0, progress=False, device="cpu")  # fmt: skip
         assert result.report["after"]["kl_mean"] != result.report["before"]["kl_mean"]  # the weights moved
         out = result.output
-    assert exported["latent_compressed"] == (head_dim == 128)
+    assert exported["latent_compressed"] == (head_dim == 128 and family == "llama")
+    assert (exported["attention_biases"] is not None) == (family == "qwen2")
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (60, 33)]
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"prompts": prompts, "max_model_len": 256, "greedy_new_tokens": NEW}))

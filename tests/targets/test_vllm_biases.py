@@ -1,0 +1,137 @@
+"""Qwen2 / Qwen2.5 to the `vllm` target: q/k/v biases carried into the weights on the calibration
+inputs (`convert.targets.vllm_bias`), an `o_proj` bias refused, the figures in `convert_export`.
+
+The tiny models' token embeddings share one direction, as real hidden states carry nearly constant
+directions (what a bias can ride on); reference: the source's own transformers model, against
+transformers' DeepseekV3ForCausalLM on the export (`test_target_vllm.exported_model`)."""
+
+import json
+
+import pytest
+import torch
+from test_target_vllm import HIDDEN, LAYERS, VOCAB, calibrated_stats, exported_model, tiny_config
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import convert
+from convert.compress.calibrate import LayerStats
+from convert.errors import ConvertError
+from convert.targets.vllm import ExportChoices, to_vllm_deepseek
+from convert.targets.vllm_bias import bias_carrier
+
+from conftest import PROSE
+
+CALIB_TOKENS = 512  # more than the hidden size: the carrier is not fitted to fewer points than dims
+
+
+def tiny_qwen2(n_kv_heads: int = 2, head_dim: int = 64, biased: str = "qkv", seed: int = 0) -> Qwen2ForCausalLM:
+    """A Qwen2 with random biases on the projections named in `biased` (zero elsewhere)."""
+    torch.manual_seed(seed)
+    config = tiny_config(Qwen2Config, n_kv_heads, head_dim)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.copy_(0.5 * torch.randn_like(param) if name.split(".")[-2][0] in biased else 0.0)
+        embed = model.model.embed_tokens.weight
+        embed += 3.0 * embed.norm(dim=1).mean() * torch.nn.functional.normalize(torch.randn(HIDDEN), dim=0)
+    return model
+
+
+def without_biases(model: Qwen2ForCausalLM) -> Qwen2ForCausalLM:
+    """The model with its attention biases zeroed (what dropping them would export)."""
+    twin = Qwen2ForCausalLM(model.config).eval()
+    twin.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for name, param in twin.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.zero_()
+    return twin
+
+
+def logits_error(model, deepseek, seed: int = 1) -> float:
+    """Relative error of the export's logits on ids the calibration never saw."""
+    ids = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        want, got = model(ids).logits, deepseek(ids).logits
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize(
+    "biased, n_kv_heads, head_dim",
+    [("qkv", 2, 64), ("q", 2, 64), ("k", 2, 64), ("v", 2, 64), ("qkv", 3, 64), ("qkv", 2, 128)],
+)
+def test_biases_are_carried_into_the_weights(tmp_path, biased, n_kv_heads, head_dim):
+    """The export of a biased Qwen2 is closer to it than the same export with the biases dropped: of
+    what dropping adds to the loss every export has (its bias-free twin's, vLLM's 64 shared rotary
+    dims), carrying keeps at most half; the rest is the key bias's share of that same rotary loss."""
+    model = tiny_qwen2(n_kv_heads, head_dim, biased)
+    stats = calibrated_stats(model, tmp_path / "biased", tokens=CALIB_TOKENS)
+    deepseek, tensors, config, export = exported_model(model, stats)
+    carried = logits_error(model, deepseek)
+    assert not any(n.endswith(("q_proj.bias", "kv_b_proj.bias")) for n in tensors)  # vLLM reads none
+    twin = without_biases(model)
+    dropped = logits_error(model, exported_model(twin, stats)[0])
+    twin_error = logits_error(twin, exported_model(twin, calibrated_stats(twin, tmp_path / "twin", CALIB_TOKENS))[0])
+    figures = f"carried {carried:.5f}, dropped {dropped:.5f}, the bias-free twin's own {twin_error:.5f}"
+    assert carried - twin_error <= 0.5 * (dropped - twin_error), figures
+
+    figures = export["attention_biases"]
+    assert figures["carried"] == ["q_proj", "k_proj", "v_proj"]  # Qwen2 has all three (zero where not `biased`)
+    assert len(figures["left_out_share"]) == LAYERS and all(0 <= s < 1e-3 for s in figures["left_out_share"])
+    for proj in "qkv":  # zero where the bias is zero, small where the inputs hold a constant direction
+        errors = figures["output_error"][proj + "_proj"]
+        assert all(0 <= e < 1e-3 for e in errors) and (proj in biased or max(errors) == 0), (proj, errors)
+    assert not export["exact"]
+
+
+def test_carrier_is_exact_on_a_constant_input_and_reports_what_it_leaves_out():
+    """W' = W + b aᵀ reproduces Wx + b on inputs with a constant coordinate; on inputs without
+    one it leaves out E[(1 − aᵀx)²] of the bias, as measured."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 8, generator=gen, dtype=torch.float64)
+    weight, bias = (
+        torch.randn(5, 8, generator=gen, dtype=torch.float64),
+        torch.randn(5, generator=gen, dtype=torch.float64),
+    )
+    for constant in (True, False):
+        inputs = x.clone()
+        if constant:
+            inputs[:, 0] = 2.0
+        stats = LayerStats(inputs.T @ inputs / len(inputs), inputs.mean(0))
+        carrier = bias_carrier(stats)
+        got, want = inputs @ carrier.carry(weight, bias).T, inputs @ weight.T + bias
+        measured = float(((got - want) ** 2).sum(1).mean() / bias.pow(2).sum())
+        assert abs(measured - carrier.left_out) < 1e-6 * max(1.0, carrier.left_out)
+        if constant:
+            assert carrier.left_out < 1e-9 and torch.allclose(got, want, atol=1e-6)
+        else:
+            assert carrier.left_out > 0.9  # zero-mean inputs: nothing to ride on
+
+
+def test_o_proj_bias_and_uncalibrated_biases_are_refused():
+    model = tiny_qwen2(1, 64, "qkv")
+    with pytest.raises(ConvertError, match="give --calib"):
+        to_vllm_deepseek(model.state_dict(), model.config, ExportChoices())
+    state = dict(model.state_dict())
+    state["model.layers.0.self_attn.o_proj.bias"] = torch.ones(HIDDEN)
+    stats = [LayerStats(torch.eye(HIDDEN, dtype=torch.float64), torch.zeros(HIDDEN, dtype=torch.float64))] * LAYERS
+    with pytest.raises(ConvertError, match="o_proj"):
+        to_vllm_deepseek(state, model.config, ExportChoices(stats=stats))
+
+
+def test_the_api_judges_a_qwen2_export_and_reports_its_biases(tmp_path):
+    """`gqa2mla(target="vllm")` on a Qwen2 directory: a lossy export judged by perplexity, the
+    biases' figures in config.json and the report's note."""
+    model = tiny_qwen2(2, 64, "qkv")
+    model.save_pretrained(tmp_path / "src")
+    text = tmp_path / "prose.txt"
+    text.write_text(PROSE)
+    calib = torch.randint(0, VOCAB, (1, CALIB_TOKENS), generator=torch.Generator().manual_seed(2))
+    result = convert.gqa2mla(
+        tmp_path / "src", tmp_path / "out", target="vllm", calib=calib, text=text, max_ppl_ratio=1.5, tokens=64,
+        progress=False,
+    )  # fmt: skip
+    assert result.report["decision"]["rule"].startswith("lossy conversion")
+    export = json.loads((tmp_path / "out" / "config.json").read_text())["convert_export"]
+    assert export["attention_biases"]["carried"] == ["q_proj", "k_proj", "v_proj"]
+    assert "biases" in result.report["target"]["note"]
