@@ -58,6 +58,16 @@ def rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return float((approx - exact).norm() / exact.norm())
 
 
+def compression_cli_args(tmp_path: Path, **overrides) -> tuple[list[str], Path]:
+    """A tiny Llama (`hf_model("llama", **overrides)`) saved at tmp_path/src and a calibration text
+    beside it: (the `gqa2mla` arguments that compress it to half the cache, unverified and quiet;
+    the calibration file). The caller adds `-o`, `--calib` and what it tests."""
+    hf_model("llama", **overrides).save_pretrained(tmp_path / "src", safe_serialization=True)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 20)
+    return ["gqa2mla", str(tmp_path / "src"), "--kv-cache-ratio", "0.5", "--no-verify", "-q"], calib
+
+
 def random_ids(batch: int = 2, length: int = 24, seed: int = 3) -> torch.Tensor:
     """(batch, length) random token ids below 128 (the tiny models' vocabulary)."""
     return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))

@@ -12,7 +12,7 @@ from convert.cli import main
 from convert.compress.refine import REFINE_STEPS, Refinement, refine_attention
 from convert.mla.model import build_mla_model
 
-from conftest import hf_model
+from conftest import compression_cli_args, hf_model
 
 
 class _Linear(torch.nn.Module):
@@ -86,10 +86,7 @@ def test_the_default_is_sized_to_the_device_and_recorded():
 
 
 def test_cli_refine_steps_and_its_refusals(tmp_path):
-    hf_model("llama", num_hidden_layers=2).save_pretrained(tmp_path / "src", safe_serialization=True)
-    calib = tmp_path / "calib.txt"
-    calib.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 20)
-    args = ["gqa2mla", str(tmp_path / "src"), "--kv-cache-ratio", "0.5", "--no-verify", "-q"]
+    args, calib = compression_cli_args(tmp_path, num_hidden_layers=2)
     result = CliRunner().invoke(
         main, args + ["-o", str(tmp_path / "out"), "--calib", str(calib), "--refine-steps", "7"]
     )

@@ -11,7 +11,7 @@ import convert
 from convert.cli import main
 from convert.linalg.weighted import _refit_up, weighted_factor
 
-from conftest import hf_model
+from conftest import compression_cli_args, hf_model
 
 
 def _samples(n=400, dim=10, seed=0):
@@ -74,10 +74,7 @@ def test_the_default_is_sequential_in_the_factored_layout_only():
 
 
 def test_cli_sequential_conversion_and_its_refusal(tmp_path):
-    hf_model("llama").save_pretrained(tmp_path / "src", safe_serialization=True)
-    calib = tmp_path / "calib.txt"
-    calib.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 20)
-    args = ["gqa2mla", str(tmp_path / "src"), "--kv-cache-ratio", "0.5", "--no-verify", "-q"]
+    args, calib = compression_cli_args(tmp_path)
     result = CliRunner().invoke(
         main, args + ["-o", str(tmp_path / "out"), "--calib", str(calib), "--calibration", "sequential"]
     )
