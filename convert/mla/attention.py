@@ -182,7 +182,7 @@ class MLAAttention(nn.Module):
         W^UKᵀ applied to the normalised queries `q_heads` (B, H, L, d) at run time."""
         batch, length, _ = x.shape
         if not self.qk_norm:
-            rows = slice(heads.start * self.rank_k, heads.stop * self.rank_k)
+            rows = _cols(heads, self.rank_k)
             q = _linear_rows(self.q_absorbed, x, rows, whole=self.n_heads * self.rank_k)  # (B, L, h·r_K)
             return q.view(batch, length, -1, self.rank_k).transpose(1, 2)
         up = self.k_up.weight.view(self.n_heads, self.head_dim, self.rank_k)[heads]  # (h, d, r_K)
