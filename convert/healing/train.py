@@ -29,7 +29,7 @@ from convert.healing.objective import (
 )
 from convert.healing.state import TrainingState, latest_checkpoint, load_checkpoint, save_checkpoint
 from convert.options import HealOptions
-from convert.progress import progress
+from convert.progress import phase, progress
 from convert.verify.e2e import compare_models
 
 
@@ -111,7 +111,9 @@ def train(model, original, train, eval_ids: torch.Tensor, opts: HealOptions, sta
     prepared, optimizer = accelerator.prepare(model, optimizer)
     live = accelerator.unwrap_model(prepared)
     trainable = {name: p for name, p in live.named_parameters() if p.requires_grad}
-    before = _measure(original, live, eval_ids, opts.eval_window)
+    shown = opts.progress and accelerator.is_main_process
+    with phase("held-out figures before healing", shown):
+        before = _measure(original, live, eval_ids, opts.eval_window)
     track = None
     if check_ids is not None:
         track = Backtracking(trainable, optimizer, lambda: held_out_kl(original, live, check_ids, opts.window))
@@ -136,7 +138,7 @@ def train(model, original, train, eval_ids: torch.Tensor, opts: HealOptions, sta
             range(run.step, opts.steps),
             "healing",
             "step",
-            opts.progress and accelerator.is_main_process,
+            shown,
             total=opts.steps - run.step,
         )
         for step in bar:
@@ -173,7 +175,8 @@ def train(model, original, train, eval_ids: torch.Tensor, opts: HealOptions, sta
         for name, p in live.named_parameters():
             p.requires_grad_(flags.get(name, p.requires_grad))
         live.eval()
-    after = _measure(original, live, eval_ids, opts.eval_window)
+    with phase("held-out figures after healing", shown):
+        after = _measure(original, live, eval_ids, opts.eval_window)
     if accelerator.log_with:
         accelerator.log({"held_out/ppl_ratio": after["ppl_ratio"], "held_out/kl": after["kl_mean"]}, step=opts.steps)
         accelerator.end_training()
