@@ -2,8 +2,10 @@
 """Peak memory of `convert gqa2mla` WITH verification, against the goal and the plan's estimate.
 
 Cases:
-  smollm2   the cached SmolLM2-135M (float32), `--e2e auto` (the default: streamed, then greedy
-            generation from one whole model at a time), `--e2e streamed` and `--e2e whole`
+  smollm2   the cached SmolLM2-135M (float32), `--e2e auto` (the default: whole models when both
+            fit in the memory free, as here), `auto@2` (auto on a machine with 2 GiB free:
+            streamed, then greedy generation from one whole model at a time), `--e2e streamed`
+            and `--e2e whole`
   llama8b   a synthetic checkpoint of Llama-3-8B's shape (random bfloat16 weights, written to
             disk as sharded safetensors); `--layers N` writes only N decoder layers so it runs
             in minutes (`--layers 32`: the whole model, 16 GB on disk, kept as `llama8b_full`);
@@ -18,8 +20,10 @@ process baseline is a child that only imports torch, transformers and convert.
 Goal: peak ≤ 1 GiB + 2 × (largest single layer as stored, embeddings included).
 Estimate: baseline + max(conversion tensors (plan.conversion_memory_bytes), streamed
 verification tensors (verify.memory.streamed_verify_memory_bytes), and under auto one whole
-model for greedy generation (verify.memory.one_model_memory_bytes) when it fits in memory);
-goal: within 25% of measured.
+model for greedy generation (verify.memory.one_model_memory_bytes) when it fits in memory, or
+both whole models when they do); goal: within 25% of measured. A mode `auto@G` runs `--e2e auto`
+in a child that sees G GiB free (convert.verify.available_memory_bytes replaced): the decision
+a machine with that much free memory makes, reproducible on this one.
 
     python bench/memory.py [--layers 2] [--tokens 64] [--cases smollm2,llama8b]
     python bench/memory.py --cases llama8b --layers 32 --workdir /somewhere/with/50GB
@@ -94,6 +98,9 @@ def report(code):
 code = 0
 try:
     import torch, transformers, convert
+    if os.environ.get("MEMORY_FREE"):  # the free memory `--e2e auto` sizes the run by
+        import convert.verify
+        convert.verify.available_memory_bytes = lambda device: int(os.environ["MEMORY_FREE"])
     if sys.argv[1:]:
         from convert.cli import main
         main(sys.argv[1:], prog_name="convert", standalone_mode=True)
@@ -104,11 +111,13 @@ sys.exit(code)
 """
 
 
-def run_child(args: list[str]) -> dict:
-    """Peak memory of one fresh `python -m convert ARGS` process (no args: imports only)."""
+def run_child(args: list[str], free: int | None = None) -> dict:
+    """Peak memory of one fresh `python -m convert ARGS` process (no args: imports only); `free`:
+    the bytes free that its verification sees, else the machine's."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     env = {**os.environ, "MEMORY_OUT": out, "PYTHONPATH": str(_common.REPO)}
+    env |= {"MEMORY_FREE": str(free)} if free is not None else {}
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", CHILD, *args], env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -201,7 +210,7 @@ def estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "auto") 
 
 
 def whole_estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "auto") -> int:
-    """The estimate `--e2e auto` compares with the memory available: both whole models and their logits."""
+    """The peak of whole-model verification: both whole models and their logits."""
     from convert.plan import plan_for_config
     from convert.verify.memory import whole_model_activation_bytes, whole_model_memory_bytes
 
@@ -210,30 +219,34 @@ def whole_estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "a
     return baseline + models + whole_model_activation_bytes(tokens, config["vocab_size"])
 
 
-def greedy_estimate(config: dict, baseline: int, run_dtype: str = "auto") -> int | None:
-    """`--e2e auto`'s greedy generation: one whole model at a time (the larger of the original and
-    the converted one) in float32 (or the --dtype given); None when it is skipped, as the
-    verification decides (convert.verify._one_model_fits): not within the memory bound less a
-    process's own memory, or not in the memory available."""
-    import torch
-
+def auto_decision(config: dict, tokens: int, free: int, run_dtype: str = "auto") -> dict:
+    """What `--e2e auto` does with `free` bytes free, as the verification decides it
+    (convert.verify._whole_models_fit, _one_model_fits): "whole" when both whole models in the run's
+    dtype and their logits fit in `free` less the margin; else "streamed", with `greedy_bytes` (one
+    whole model in greedy generation's dtype, the larger of the two) when that fits, else None."""
     from convert.options import VerifyOptions
     from convert.plan import plan_for_config
-    from convert.verify.memory import (
-        PROCESS_BASE_BYTES,
-        available_memory_bytes,
-        memory_bound_bytes,
-        one_model_memory_bytes,
-    )
+    from convert.verify.memory import free_margin_bytes, one_model_memory_bytes, whole_model_activation_bytes
 
     plan = plan_for_config(config)
     converted = sum(math.prod(shape) * _itemsize(dtype) for shape, dtype in plan.output_tensors().values())
-    dtype = VerifyOptions(dtype=run_dtype).greedy_dtype(plan.dtype)
-    model = one_model_memory_bytes(max(plan.checkpoint_bytes, converted), plan.dtype, dtype)
-    room = min(
-        memory_bound_bytes(sizes(config)["largest"]) - PROCESS_BASE_BYTES, available_memory_bytes(torch.device("cpu"))
-    )
-    return baseline + model if model <= room else None
+    room = free - free_margin_bytes(free)
+    run = _run_dtype(plan, run_dtype)
+    both = sum(one_model_memory_bytes(n, plan.dtype, run) for n in (plan.checkpoint_bytes, converted))
+    if both + whole_model_activation_bytes(tokens, config["vocab_size"]) <= room:
+        return {"mode": "whole", "greedy_bytes": None}
+    greedy_dtype = VerifyOptions(dtype=run_dtype).greedy_dtype(plan.dtype)
+    model = one_model_memory_bytes(max(plan.checkpoint_bytes, converted), plan.dtype, greedy_dtype)
+    return {"mode": "streamed", "greedy_bytes": model if model <= room else None}
+
+
+def _free_bytes() -> int:
+    """The memory free on this machine, as `--e2e auto` reads it."""
+    import torch
+
+    from convert.verify.memory import available_memory_bytes
+
+    return available_memory_bytes(torch.device("cpu"))
 
 
 def _itemsize(dtype) -> int:
@@ -243,24 +256,30 @@ def _itemsize(dtype) -> int:
 
 
 def case(name: str, src: Path, config: dict, tokens: int, modes: list[str], baseline: int, text: Path | None) -> dict:
-    """modes: `--e2e` modes, optionally `:dtype` (the verification dtype; default auto)."""
+    """modes: `--e2e` modes, optionally `:dtype` (the verification dtype; default auto) and `@G`
+    (auto: run as on a machine with G GiB free)."""
     s = sizes(config)
     goal = GiB + 2 * s["largest"]
     rows = {}
     for run in modes:
-        mode, _, dtype = run.partition(":")
+        spec, _, gib = run.partition("@")
+        mode, _, dtype = spec.partition(":")
         dtype = dtype or "auto"
+        free = int(float(gib) * GiB) if gib else None
         est = estimate(config, baseline, tokens, dtype)
+        if mode == "auto":  # whole if both fit, else streamed, then greedy generation if one model fits
+            est |= auto_decision(config, tokens, free if free is not None else _free_bytes(), dtype)
         with tempfile.TemporaryDirectory(dir=src.parent) as tmp:
             args = ["gqa2mla", str(src), "-o", str(Path(tmp) / "out"), "--force", "-q"]
             args += ["--e2e", mode, "--tokens", str(tokens), "--dtype", dtype] + (["--text", str(text)] if text else [])
-            result = run_child(args)
+            result = run_child(args, free)
             report = Path(tmp) / "out" / "verification.json"
             if report.is_file():
                 data = json.loads(report.read_text())
                 result["verdict"] = data["verdict"]
                 result["timings"] = data["timings"]
                 result["greedy_skipped"] = (data["end_to_end"] or {}).get("greedy_skipped")
+                result["e2e_mode"] = (data["end_to_end"] or {}).get("mode")
                 result["failures"] = data["failures"]
                 e2e = data["end_to_end"] or {}
                 result["figures"] = {
@@ -270,18 +289,17 @@ def case(name: str, src: Path, config: dict, tokens: int, modes: list[str], base
         result["goal_bytes"] = goal
         result["meets_goal"] = result["vmhwm"] <= goal
         result["estimate"] = est
-        if mode == "whole":
+        if mode == "whole" or est.get("mode") == "whole":
             result["estimate_bytes"] = whole_estimate(config, baseline, tokens, dtype)
-        elif mode == "auto":  # streamed, then greedy generation one whole model at a time if it fits
-            greedy = greedy_estimate(config, baseline, dtype)
-            est["greedy_bytes"] = greedy
-            result["estimate_bytes"] = max(est["peak_bytes"], greedy or 0)
+        elif mode == "auto":
+            result["estimate_bytes"] = max(est["peak_bytes"], baseline + (est["greedy_bytes"] or 0))
         else:
             result["estimate_bytes"] = est["peak_bytes"]
         result["estimate_error"] = result["estimate_bytes"] / result["vmhwm"] - 1
         rows[run] = result
+        seen = f" ({gib} GiB free)" if gib else ""
         print(
-            f"{name} --e2e {mode} --dtype {dtype}: peak {result['vmhwm'] / GiB:.2f} GiB (anon {result['peak_anon'] / GiB:.2f}, "
+            f"{name} --e2e {mode} --dtype {dtype}{seen}: peak {result['vmhwm'] / GiB:.2f} GiB (anon {result['peak_anon'] / GiB:.2f}, "
             f"file {result['peak_file'] / GiB:.2f}), goal {goal / GiB:.2f} GiB, estimate {result['estimate_bytes'] / GiB:.2f} "
             f"GiB ({result['estimate_error']:+.0%}), {result['wall_s']:.0f} s, exit {result['exit']}",
             flush=True,
@@ -308,7 +326,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             link = Path(tmp) / "smollm2"
             link.symlink_to(src)
-            result["smollm2"] = case("smollm2", link, config, 256, ["auto", "streamed", "whole"], baseline, text)
+            modes = ["auto", "auto@2", "streamed", "whole"]
+            result["smollm2"] = case("smollm2", link, config, 256, modes, baseline, text)
     if "llama8b" in cases:
         with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
             src = Path(tmp) / "llama3-8b-shape"
@@ -321,7 +340,7 @@ def main() -> None:
                 src,
                 config,
                 args.tokens,
-                ["auto"] if key == "llama8b_full" else ["auto", "streamed", "streamed:float64"],
+                ["auto"] if key == "llama8b_full" else ["auto@4", "streamed", "streamed:float64"],
                 baseline,
                 None,
             )

@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         try:
             env = rx.prepare(work)
             for example in (e for e in rx.examples() if e.kind == kind):
-                seconds, _ = rx.run(example, work, env)
+                seconds, _, _ = rx.run(example, work, env)
                 print(f"{kind} example at line {example.line}: {seconds:.1f} s", flush=True)
                 rows.append({"kind": kind, "line": example.line, "code": example.body, "seconds": seconds})
                 timed.append((example, seconds))

@@ -1,13 +1,23 @@
 """convert: GQA -> MLA checkpoint conversion, exact where the math allows it.
 
-    gqa2mla(src, output=None, **options) -> ConversionResult
-    convert_state_dict(state_dict, config, **options) -> MLAStateDict
-    to_mla(model, **options) -> the converted model, in memory (an nn.Module)
-    heal(model_or_path, texts, original=..., **options) -> HealResult (KL distillation)
-    load_mla_model(path, device=None, dtype=None) -> a transformers causal LM
+The API (each function's own help() says more; README.md, "Python API"):
 
-`import convert` registers `convert_mla` with transformers' Auto classes; the command line imports
-the package light instead (LIGHT_IMPORT; docs/design.md, "Layout of the code").
+    gqa2mla(src, output=None, **options) -> ConversionResult
+        convert a checkpoint on disk into an MLA directory and verify it (`.passed`)
+    to_mla(model, **options) -> the converted model, in memory (an nn.Module)
+    convert_state_dict(state_dict, config, **options) -> MLAStateDict
+    heal(model_or_path, texts, original=..., **options) -> HealResult (KL distillation)
+    load_mla_model(path, device=None, dtype=None) -> MLAForCausalLM, a transformers causal LM
+
+    options: the fields of ConvertOptions (help(convert.ConvertOptions)); heal's are those of
+    convert.options.HealOptions. Bad input raises ConvertError (the CLI's exit 2), naming the
+    parameter; the machine failing (disk full, permissions) EnvironmentFailure (exit 3).
+
+    MLAForCausalLM, MLAConfig: the converted model's transformers classes (help(convert.MLAForCausalLM));
+    `import convert` registers them (model type `convert_mla`) with transformers' Auto classes. They
+    are left out of `__all__`, so help(convert) does not print transformers' pages of inherited text.
+
+The command line imports the package light instead (LIGHT_IMPORT; docs/design.md, "Layout of the code").
 """
 
 import os
@@ -80,8 +90,6 @@ __all__ = [
     "ConvertError",
     "ConvertOptions",
     "EnvironmentFailure",
-    "MLAConfig",
-    "MLAForCausalLM",
     "MLAStateDict",
     "convert_state_dict",
     "gqa2mla",

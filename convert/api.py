@@ -11,11 +11,12 @@ from pathlib import Path
 
 import torch
 
+from convert.errors import ConvertError
 from convert.heap import release_freed_memory
 from convert.io import Checkpoint, CheckpointWriter, default_output, open_checkpoint, output_lock, parse_size
 from convert.layouts import attention_view
 from convert.mla.format import AUX_FILES
-from convert.options import ConvertOptions
+from convert.options import ConvertOptions, as_path
 from convert.plan import ConversionPlan
 from convert.targets import Build, check_options, target
 from convert.targets.mla import MLAStateDict
@@ -56,6 +57,10 @@ def convert_state_dict(state_dict: dict[str, torch.Tensor], config, **options) -
     its `.config` is the output config with the `mla` section.
     """
     opts = ConvertOptions.from_kwargs(**{"progress": False, **options})
+    if not isinstance(state_dict, dict):
+        raise ConvertError(
+            f"state_dict: expected a dict of tensors (model.state_dict()), got {type(state_dict).__name__}"
+        )
     return target("mla").state_dict(state_dict, _as_dict(config), opts)
 
 
@@ -76,6 +81,11 @@ def to_mla(model, **options):
     """
     opts = ConvertOptions.from_kwargs(**{"progress": False, "verify": False, **options})  # nothing to verify here
     check_options(opts)
+    if not (isinstance(model, torch.nn.Module) and hasattr(model, "config")):
+        raise ConvertError(
+            f"model={model!r:.60}: expected a transformers causal LM (an nn.Module with a .config), got "
+            f"{type(model).__name__}; load one with transformers.AutoModelForCausalLM.from_pretrained"
+        )
     parameter = next(model.parameters())
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     return target(opts.target).model(state, _as_dict(model.config), opts, parameter.dtype, parameter.device)
@@ -101,8 +111,8 @@ def gqa2mla(src, output=None, **options) -> ConversionResult:
     check_options(opts)
     timings: dict[str, float] = {}
     start = time.perf_counter()
-    src = Path(src)
-    output = Path(output) if output is not None else default_output(src)
+    src = as_path("src", src)
+    output = as_path("output", output) if output is not None else default_output(src)
     calib = opts.calib if isinstance(opts.calib, (str, Path)) else None
     with open_checkpoint(src) as stored, output_lock(output, [src, opts.text, calib], opts.force):
         source = attention_view(stored, stored.config)  # Phi-3: q/k/v split out of qkv_proj

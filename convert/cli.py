@@ -20,7 +20,10 @@ from pathlib import Path
 import click
 
 from convert._version import __version__
-from convert.errors import ConvertError
+from convert.arch.registry import find_arch
+from convert.arch.validate import check_config
+from convert.errors import ConvertError, cli_words
+from convert.io.locate import CONFIG_NAME, check_prelude, locate, read_config
 from convert.io.output import check_output, default_output
 from convert.options import (
     GROUPS,
@@ -30,7 +33,9 @@ from convert.options import (
     VerifyOptions,
     cli_fields,
     field_default,
+    suggest,
 )
+from convert.progress import opening
 from convert.targets import check_options
 
 _USAGE = ("2", "bad input or usage: one line naming the file/field and the fix; nothing written")
@@ -84,7 +89,17 @@ class _Option(click.Option):
 
 
 class _Command(click.Command):
-    """A command whose `--help` lists its options by section, in the order of GROUPS."""
+    """A command whose `--help` lists its options by section, in the order of GROUPS, and whose
+    answer to a misspelled flag names only the flags it is likely a typo of (`convert.options.suggest`)."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as err:
+            flags = [d for p in self.get_params(ctx) for d in (*p.opts, *p.secondary_opts) if d.startswith("--")]
+            likely = suggest(err.option_name, flags)
+            fix = f" Did you mean {' or '.join(likely)}?" if likely else f" See 'convert {self.name} --help'."
+            raise click.NoSuchOption(err.option_name, f"No such option {err.option_name!r}.{fix}", ctx=ctx) from None
 
     def format_options(self, ctx, formatter):
         sections: dict[str, list] = {group: [] for group in GROUPS}
@@ -137,7 +152,8 @@ def _exits_cleanly(fn):
     @wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with cli_words():  # messages name the flags, not the Python keywords
+                return fn(*args, **kwargs)
         except ConvertError as err:
             _fail(str(err), err.exit_code)
         except KeyboardInterrupt:
@@ -213,19 +229,31 @@ def gqa2mla(src, output, **options):
     beside the weights; a FAIL exits 1.
     """
     check_options(ConvertOptions.from_kwargs(**options))  # refused before torch is imported; the API checks again
-    if not src.exists():  # the words of convert.io's check, which needs torch
-        raise ConvertError(f"{src}: no such file or directory; check the checkpoint path")
+    _check_source(src, options.get("arch"))
     calib = options.get("calib")
     check_output(output or default_output(src), [src, options.get("text"), calib], options["force"])  # no torch
-    _load_api()
-    from convert.api import gqa2mla as run
+    with opening(f"convert gqa2mla {src}", options["progress"]):  # a first line within seconds, off a terminal too
+        _load_api()
+        from convert.api import gqa2mla as run
 
-    result = run(src, output, **options)
+        result = run(src, output, **options)
     if options["progress"]:
         _summary(result)
     if result.passed is False:
         _failures(result.report, result.output / "verification.md")
     sys.exit(0 if result.passed in (None, True) else 1)
+
+
+def _check_source(src: Path, arch: str | None) -> None:
+    """The checks of SRC that need no torch, so that a wrong path, a file that is no checkpoint, an
+    unsupported family or a checkpoint already converted is refused at once (`open_checkpoint` and
+    the plan make them again, with the rest)."""
+    root, files, _ = locate(src)
+    for file in files:
+        check_prelude(file)
+    config = read_config(root / CONFIG_NAME) or {}
+    check_config(config)  # a model_type of the wrong type, say, before find_arch looks it up
+    find_arch(config.get("model_type"), arch, config)
 
 
 def _failures(report: dict, where: Path | None) -> None:
@@ -237,9 +265,17 @@ def _failures(report: dict, where: Path | None) -> None:
         click.echo(f"report: {where}", err=True)
 
 
+def _shown(path: Path) -> Path:
+    """A path as the user would type it: relative to the working directory when inside it."""
+    try:
+        return Path(path).resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        return Path(path)
+
+
 def _summary(result) -> None:
     sizes = result.sizes
-    click.echo(f"wrote {result.output}")
+    click.echo(f"wrote {_shown(result.output)}")
     click.echo(
         f"KV cache per token: {sizes['kv_cache_bytes_per_token_before']} B (GQA) -> "
         f"{sizes['kv_cache_bytes_per_token_after']} B (MLA); attention params "
@@ -248,26 +284,39 @@ def _summary(result) -> None:
     for note in result.notes:
         click.echo(f"note: {note}")
     if result.report is not None:
-        click.echo(f"verification: {result.report['verdict']} ({result.output / 'verification.md'})")
+        click.echo(f"verification: {result.report['verdict']} ({_shown(result.output / 'verification.md')})")
 
 
 @main.command(cls=_Command, epilog=COMMAND_EXIT_CODES["verify"])
 @click.argument("original", type=click.Path(path_type=Path))
 @click.argument("converted", type=click.Path(path_type=Path))
 @_path_option("--report-dir", group="output", help="Write verification.json/.md here (default: print only).")
+@click.option(
+    "-v", "--verbose", is_flag=True, cls=_Option, group="output", help="Print the whole report, not its summary."
+)
 @options_of(VerifyOptions)
 @_exits_cleanly
-def verify(original, converted, report_dir, **options):
+def verify(original, converted, report_dir, verbose, **options):
     """Check CONVERTED (an MLA directory) against ORIGINAL (the GQA checkpoint):
     per layer and, for runnable architectures, end to end."""
     VerifyOptions.from_kwargs(**options)  # refused before torch is imported
-    _load_api()
-    from convert.verify import render_markdown, verify_paths, write_report
+    with opening(f"convert verify {converted}", options["progress"]):
+        _load_api()
+        from convert.verify import render_markdown, verify_paths, write_report
+        from convert.verify.report import summary_lines
 
-    report = verify_paths(original, converted, **options)
+        report = verify_paths(original, converted, **options)
     if report_dir is not None:
         write_report(report, report_dir)
-    click.echo(render_markdown(report) if options["progress"] else report["verdict"])
+    if not options["progress"]:
+        click.echo(report["verdict"])
+    elif verbose:
+        click.echo(render_markdown(report))
+    else:
+        for line in summary_lines(report):
+            click.echo(line)
+        where = Path(report_dir) / "verification.md" if report_dir is not None else None
+        click.echo(f"report: {_shown(where)}" if where else "the whole report: add -v, or --report-dir DIR to keep it")
     if report["verdict"] != "PASS":
         _failures(report, None if report_dir is None else Path(report_dir) / "verification.md")
     sys.exit(0 if report["verdict"] == "PASS" else 1)
@@ -317,26 +366,27 @@ def heal(converted, texts, eval_text, original, output, training_dir, **options)
     order on any number of processes. FSDP: docs/healing.md.
     """
     HealOptions.from_kwargs(**options)  # refused before torch is imported
-    _load_api()
-    from convert.healing import heal as run
-    from convert.healing import healing_warnings
+    with opening(f"convert heal {converted}", options["progress"] and int(os.environ.get("RANK", "0")) == 0):
+        _load_api()
+        from convert.healing import heal as run
+        from convert.healing import healing_warnings
 
-    result = run(
-        converted,
-        list(texts),
-        original=original,
-        eval_texts=eval_text,
-        output=output,
-        training_dir=training_dir,
-        **options,
-    )
+        result = run(
+            converted,
+            list(texts),
+            original=original,
+            eval_texts=eval_text,
+            output=output,
+            training_dir=training_dir,
+            **options,
+        )
     if options["progress"] and int(os.environ.get("RANK", "0")) == 0:
         before, after = result.report["before"], result.report["after"]
-        click.echo(f"wrote {result.output}")
+        click.echo(f"wrote {_shown(result.output)}")
         click.echo(
             f"perplexity ratio to the original: {before['ppl_ratio']:.4f} -> {after['ppl_ratio']:.4f}, "
             f"KL {before['kl_mean']:.4g} -> {after['kl_mean']:.4g} "
-            f"({result.report['eval_tokens']} held-out tokens; {result.output / 'healing.md'})"
+            f"({result.report['eval_tokens']} held-out tokens; {_shown(result.output / 'healing.md')})"
         )
         checks = result.report["checks"]
         if checks:

@@ -12,13 +12,16 @@ torch objects (`run_dtype`, `torch_device`, `TORCH_DTYPES`), on first use.
 
 from __future__ import annotations
 
+import numbers
+import os
+import re
 from dataclasses import MISSING, dataclass, field, fields, replace
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from convert.arch.registry import ARCHS, HEAD_MAPS
-from convert.errors import ConvertError
+from convert.errors import ConvertError, UnknownOption, speak_python
 
 if TYPE_CHECKING:
     import torch
@@ -94,15 +97,71 @@ def option(default, help: str, *, group: str, **flag):
     return field(default=default, metadata={"help": help, "group": group, **vars(Flag(**flag))})
 
 
+def suggest(word: str, known) -> list[str]:
+    """The known names `word` is likely a typo of, best first: those it begins or that begin with
+    it, else the closest by spelling, only those near the best (no list of unrelated options)."""
+    import difflib
+
+    known = sorted(known)
+    stem = word.lstrip("-")
+    prefixed = [
+        k for k in known if len(stem) >= 2 and (k.lstrip("-").startswith(stem) or stem.startswith(k.lstrip("-")))
+    ]
+    if prefixed:
+        return prefixed[:3]
+    scored = sorted(((difflib.SequenceMatcher(None, word, k).ratio(), k) for k in known), reverse=True)
+    best = scored[0][0] if scored else 0.0
+    return [k for score, k in scored if score >= 0.6 and score >= best - 0.05][:3]
+
+
 class _FromKwargs:
     @classmethod
     def from_kwargs(cls, **kwargs):
-        """Build from keyword options, refusing unknown names with the list of known ones."""
+        """Build from keyword options, refusing an unknown name with the likely one it misspells."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise TypeError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            name = unknown[0]
+            likely = suggest(name, known)
+            fix = f"did you mean {' or '.join(likely)}?" if likely else f"the options are {', '.join(sorted(known))}"
+            raise UnknownOption(f"unknown option {name}={kwargs[name]!r}; {fix}")
+        for f in fields(cls):
+            if f.name in kwargs:
+                _check_type(f.name, kwargs[f.name], f.type)
         return cls(**kwargs)
+
+
+def as_path(name: str, value, expected: str = "a path (str or os.PathLike)") -> Path:
+    """A path argument of the Python API as a Path, or a ConvertError naming the parameter."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConvertError(f"{name}={value!r:.60}: expected {expected}, got {type(value).__name__}")
+    return Path(value)
+
+
+#: An annotation's names -> what a value of it may be, and how a message names it.
+_TYPES = {
+    "int": ((numbers.Integral,), "an int"),
+    "float": ((numbers.Real,), "a number"),
+    "str": ((str,), "a str"),
+    "bool": ((bool,), "True or False"),
+    "Path": ((str, os.PathLike), "a path"),
+    "None": ((type(None),), "None"),
+}
+
+
+def _check_type(name: str, value, annotation: str) -> None:
+    """Refuse a keyword option whose value is not of its field's annotation ("int | None", ...)
+    as a ConvertError naming it, before it fails deep inside as a TypeError."""
+    kinds = [kind.strip() for kind in annotation.split("|")]
+    if "torch.Tensor" in kinds and type(value).__module__.split(".")[0] == "torch":
+        return
+    accepted = [_TYPES[kind] for kind in kinds if kind in _TYPES]
+    ok = any(isinstance(value, types) for types, _ in accepted)
+    if isinstance(value, bool) and "bool" not in kinds:
+        ok = False  # True is an int to Python, not a count or a ratio
+    if not ok:
+        names = [text for _, text in accepted] + (["a torch.Tensor"] if "torch.Tensor" in kinds else [])
+        raise ConvertError(f"{name}={value!r}: expected {' or '.join(names)}, got {type(value).__name__}")
 
 
 @dataclass
@@ -139,11 +198,11 @@ class VerifyOptions(_FromKwargs):
     e2e: str = option(
         "auto",
         "End-to-end check. streamed = one decoder layer of each model at a time, logits in vocabulary chunks "
-        "(memory: about two layers, whatever the model's size); auto = on a GPU whose free memory holds both "
-        "whole models, whole; else streamed, then greedy generation from each whole model in turn (one in "
-        "memory at a time, float32 unless --dtype says otherwise) when one fits, else skipped with the reason; "
-        "whole = both whole models in memory at once (the same figures and greedy generation, in the run's "
-        "dtype).",
+        "(memory: about two layers, whatever the model's size); auto = whole when the memory free on the "
+        "device (host, container or GPU; a fifth, at least 1 GiB, kept free) holds both whole models; else "
+        "streamed, then greedy generation from each whole model in turn (one in memory at a time, float32 "
+        "unless --dtype says otherwise) when one fits, else skipped with the reason; whole = both whole "
+        "models in memory at once (the same figures and greedy generation, in the run's dtype).",
         group="advanced",
         choices=E2E_MODES,
     )
@@ -173,7 +232,7 @@ class VerifyOptions(_FromKwargs):
     def greedy_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         """Greedy generation's dtype under --e2e auto: the --dtype given, else float32 (float64 for a
         float64 checkpoint): the tokens as users would generate them, and one whole model in that
-        precision is what has to fit (SmolLM2 in float64 would not fit the streaming memory bound)."""
+        precision is what has to fit in the memory free (half the memory of float64)."""
         import torch  # heavy: options is on the light CLI path (--help, refusals), which must not import torch
 
         if self.dtype != "auto":
@@ -232,7 +291,7 @@ class ConvertOptions(VerifyOptions):
         group="compression",
         choices=METHODS,
     )
-    calib: Path | None = option(
+    calib: Path | torch.Tensor | None = option(
         None,
         "Real text to calibrate the compression on (UTF-8); use a different text for --text.",
         group="compression",
@@ -610,3 +669,62 @@ def resolve_device(name: str) -> torch.device:
 def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConvertError(f"{flag} {value!r} is not one of {', '.join(allowed)}")
+
+
+#: Flags that are not options fields: the commands' own paths (cli.py), by their API keyword.
+_PATH_FLAGS = {
+    "-o": "output",
+    "--output": "output",
+    "--report-dir": "report_dir",
+    "--eval-text": "eval_texts",
+    "--original": "original",
+    "--training-dir": "training_dir",
+}
+
+
+@cache
+def _keywords() -> dict[str, tuple[str, object, tuple]]:
+    """Each command-line flag -> (its API keyword, the value a boolean flag sets or None, its choices)."""
+    table = {flag: (name, None, ()) for flag, name in _PATH_FLAGS.items()}
+    for cls in (ConvertOptions, HealOptions, EvalOptions):
+        for f in cli_fields(cls):
+            meta, default = f.metadata, field_default(f)
+            if meta["off_flag"]:
+                flag, entry = meta["off_flag"], (f.name, not default, ())
+            else:
+                flag = meta["flag"] or "--" + f.name.replace("_", "-")
+                entry = (f.name, True if isinstance(default, bool) else None, meta["choices"] or ())
+            table[flag] = entry
+            if meta["short"]:
+                table[meta["short"]] = entry
+    return table
+
+
+_FLAG = re.compile(
+    r"(?<![\w-])(-[a-zA-Z]|--[a-z][a-z0-9-]*)(?![\w-])(?: ('[^']*'|-?\d[\d.e+-]*|[A-Z][A-Z_]*\b|[a-z][\w-]*))?"
+)
+
+
+def python_terms(message: str) -> str:
+    """A message's command-line flags as the Python API's keywords: `--kv-cache-ratio 0.5` ->
+    `kv_cache_ratio=0.5`, `--method svd` -> `method='svd'`, `--force` -> `force=True`, `-o` -> `output`.
+    Words that are not flags of convert's commands are left as they are."""
+
+    def keyword(match: re.Match) -> str:
+        known = _keywords().get(match.group(1))
+        if known is None:
+            return match.group(0)
+        name, flag_value, choices = known
+        value = match.group(2)
+        if flag_value is not None:
+            return f"{name}={flag_value}" + (f" {value}" if value else "")
+        if value is None:
+            return name
+        if value[0].islower():  # a word: the option's value only if it is one of its choices
+            return f"{name}={value!r}" if value in choices else f"{name} {value}"
+        return f"{name}={value}"
+
+    return _FLAG.sub(keyword, message)
+
+
+speak_python(python_terms)

@@ -384,7 +384,9 @@ def plan_for_config(config: dict, **options) -> ConversionPlan:
     are meta tensors: shapes and dtypes, no data.
     """
     opts = ConvertOptions.from_kwargs(**options)
-    find_arch(config.get("model_type"), opts.arch)  # an unsupported family is refused before transformers sees it
+    find_arch(
+        config.get("model_type"), opts.arch, config
+    )  # an unsupported family is refused before transformers sees it
     if opts.latent == "joint" or opts.kv_cache_ratio is not None:
         raise ConvertError("planning from a config alone reads no weights: use the split latent and --rank (or none)")
     source = attention_view(StateDictSource(meta_state_dict(config), config), config)

@@ -8,6 +8,7 @@ reference, and the converted `MLAAttention` on the same inputs.
 import copy
 import ctypes
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -50,6 +51,11 @@ PROSE = (
     "of a wife. However little known the feelings or views of such a man may be on his first entering a "
     "neighbourhood, this truth is so well fixed in the minds of the surrounding families. "
 ) * 12
+
+
+#: A line `convert` itself writes on stderr off a terminal: its opening line, a progress or phase line,
+#: a note or a warning (anything else there, a third party's warning say, is a bug: issue 36).
+CONVERT_STDERR_LINE = re.compile(r"^(convert \w+ .+|[a-z][\w -]*( \.\.\.|: .+)|(note|warning): .+)$")
 
 
 def rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:

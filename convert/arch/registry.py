@@ -234,8 +234,35 @@ QK_NORM_MODEL_TYPES = {
 }
 
 
-def find_arch(model_type: str | None, requested: str | None) -> ArchSpec:
-    """The ArchSpec for a config's model_type and/or the `--arch` flag."""
+#: The model types of checkpoints that already have Multi-head Latent Attention: convert's own
+#: output, and DeepSeek's (which its transformers and vllm exports write).
+MLA_MODEL_TYPES = ("convert_mla", "deepseek_v2", "deepseek_v3")
+
+
+def refuse_converted(model_type: str | None, config: dict | None) -> None:
+    """A checkpoint that already has MLA attention is refused as such (not as "unsupported"),
+    naming the convert version that wrote it when it says so."""
+    config = config or {}
+    mla, export = config.get("mla"), config.get("convert_export")
+    if model_type not in MLA_MODEL_TYPES and mla is None and export is None:
+        return
+    if isinstance(mla, dict) or isinstance(export, dict):
+        by = (mla if isinstance(mla, dict) else {}).get("converter") or "convert"
+        source = (mla if isinstance(mla, dict) else export).get("source_model_type", "GQA")
+        raise ConvertError(
+            f"config.json: already converted to MLA (by {by}, from a {source} model); convert its {source} "
+            "source instead, or re-check this one with `convert verify SOURCE THIS`"
+        )
+    raise ConvertError(
+        f"config.json model_type={model_type!r} already has Multi-head Latent Attention; there is nothing to "
+        "convert: point at a GQA checkpoint (Llama, Qwen2, ...)"
+    )
+
+
+def find_arch(model_type: str | None, requested: str | None, config: dict | None = None) -> ArchSpec:
+    """The ArchSpec for a config's model_type and/or the `--arch` flag (`config`: the whole
+    config.json, to say which convert wrote a checkpoint that is already MLA)."""
+    refuse_converted(model_type, config)
     if model_type in QK_NORM_MODEL_TYPES:
         raise ConvertError(
             f"config.json model_type={model_type!r} normalises q and k and has {QK_NORM_MODEL_TYPES[model_type]}, "

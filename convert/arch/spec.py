@@ -208,7 +208,7 @@ def resolve_attention(
     config = config or {}
     check_config(config)
     keys = set(keys)
-    spec = find_arch(config.get("model_type"), flags.arch)
+    spec = find_arch(config.get("model_type"), flags.arch, config)
     if _is_hf_config(spec, config):
         _require_fields(spec, config)
     _refuse_qk_norm(spec, keys)

@@ -35,7 +35,8 @@ from convert.hf import load_original
 from convert.io import SAFETENSORS_DTYPES, CheckpointWriter, check_output, open_checkpoint, output_lock, parse_size
 from convert.mla.model import read_mla_config, weight_files
 from convert.optim import relative_groups, relative_rates, warmup_cosine
-from convert.options import HealOptions
+from convert.options import HealOptions, as_path
+from convert.progress import phase
 from convert.targets import load_output
 from convert.verify import is_export
 from convert.verify.report import original_named_by
@@ -182,7 +183,8 @@ def heal(model_or_path, texts, *, original=None, eval_texts=None, output=None, t
             claim(state_dir, opts.resume, opts.force, remove=_is_main_process())
         report = heal_model(model_or_path, orig_model, *_split(ids, eval_ids), opts, state_dir)
         return HealResult(model_or_path, report)
-    return _heal_directory(Path(model_or_path), texts, original, eval_texts, output, training_dir, opts)
+    where = as_path("model_or_path", model_or_path, "a converted model (an nn.Module) or its directory")
+    return _heal_directory(where, texts, original, eval_texts, output, training_dir, opts)
 
 
 def _is_main_process() -> bool:
@@ -212,16 +214,19 @@ def _heal_directory(converted: Path, texts, original, eval_texts, output, traini
     check_output(output, inputs, opts.force)  # every process: they refuse alike, before any collective
     claim(state_dir, opts.resume, opts.force, remove=main)
     with output_lock(output, inputs, opts.force) if main else nullcontext():
-        model = load_output(converted, opts.torch_device, torch.float32)  # an export as its runtime runs it
-        orig_model = _load_original(original_path, model)
-        if mixed_precision(opts) == "bf16":  # frozen, its matmuls in bf16 under autocast anyway: half the memory
-            orig_model.to(torch.bfloat16)
-        train_data, eval_ids = _directory_data(texts, eval_texts, converted, config["vocab_size"], opts)
+        with phase("loading both models", opts.progress and main):
+            model = load_output(converted, opts.torch_device, torch.float32)  # an export as its runtime runs it
+            orig_model = _load_original(original_path, model)
+            if mixed_precision(opts) == "bf16":  # frozen, its matmuls in bf16 under autocast anyway: half the memory
+                orig_model.to(torch.bfloat16)
+        with phase("reading the text", opts.progress and main):
+            train_data, eval_ids = _directory_data(texts, eval_texts, converted, config["vocab_size"], opts)
         report, accelerator = train(model, orig_model, train_data, eval_ids, opts, state_dir)
         report["inputs"] = {"converted": str(converted), "original": str(original_path)}
         report["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()}
         state = accelerator.get_state_dict(model)  # gathered onto the main process under FSDP
-        final = _write_healed(converted, output, state, report, export, config, opts) if main else output
+        with phase("writing the healed checkpoint", opts.progress and main):
+            final = _write_healed(converted, output, state, report, export, config, opts) if main else output
         accelerator.wait_for_everyone()
         if main:
             remove_checkpoints(state_dir, finished=True)  # the run is complete: its checkpoints are not needed

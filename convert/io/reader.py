@@ -11,10 +11,8 @@ time; tensors are read one at a time on demand.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,23 +22,18 @@ import torch
 from safetensors import safe_open
 
 from convert.errors import ConvertError
-
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
-
-# safetensors' own loader refuses headers above 100 MB; anything larger is
-# certainly not a header we should try to parse.
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-# A header nests three levels (header -> tensor entry -> shape list); config.json
-# and the shard index a few more. Deeper JSON is refused before Python's
-# recursion limit is anywhere near.
-MAX_HEADER_DEPTH = 3
-RAW_CHUNK = 64 * 1024 * 1024  # bytes per read when copying or comparing stored tensors
-MAX_JSON_DEPTH = 32
-
-_NOT_SAFETENSORS_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl", ".gguf", ".h5", ".msgpack"}
-_CONVERT_HINT = "convert it to safetensors first, e.g. with `transformers`' save_pretrained(safe_serialization=True)"
+from convert.io.locate import (
+    CONFIG_NAME,
+    CONVERT_HINT,
+    MAX_HEADER_DEPTH,
+    RAW_CHUNK,
+    check_prelude,
+    locate,
+    parse_json,
+    read_config,
+    read_index,
+    short,
+)
 
 
 def _build_dtype_table() -> dict[str, torch.dtype]:
@@ -98,92 +91,18 @@ class FileHeader:
     metadata: dict[str, str]
 
 
-# ---------------------------------------------------------------- strict JSON
-
-
-class _Refused(ValueError):
-    """Raised by the parse hooks: the JSON is well formed but not acceptable."""
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """object_pairs_hook: a JSON object, refusing a key given twice (json keeps the last silently)."""
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise _Refused(f"key {key[:80]!r} appears twice")
-        obj[key] = value
-    return obj
-
-
-def _no_constants(name: str) -> Any:
-    raise _Refused(f"{name} is not JSON")
-
-
-def _nesting_depth(value: Any) -> int:
-    """How deeply lists and objects nest in a parsed JSON value (iterative: no recursion limit)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
-
-
-def parse_json(data: bytes, max_depth: int = MAX_JSON_DEPTH, allow_constants: bool = True) -> Any:
-    """Parse UTF-8 JSON strictly: no duplicate keys, nesting at most `max_depth` deep
-    (NaN/Infinity refused unless `allow_constants`). Raises ValueError saying why."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"not valid UTF-8 at byte {exc.start}") from None
-    hooks: dict[str, Any] = {"object_pairs_hook": _unique_keys}
-    if not allow_constants:
-        hooks["parse_constant"] = _no_constants
-    try:
-        value = json.loads(text, **hooks)
-    except RecursionError:
-        raise ValueError(f"nested more than {max_depth} levels deep") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"JSON does not parse: {exc}") from None
-    except _Refused:
-        raise
-    except ValueError:  # Python refuses to read integers of more than 4300 digits
-        raise ValueError("a number has thousands of digits") from None
-    if _nesting_depth(value) > max_depth:
-        raise ValueError(f"nested more than {max_depth} levels deep")
-    try:  # a \\udXXX escape without its pair decodes to a string no file or terminal can hold
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("a string holds an unpaired UTF-16 surrogate escape") from None
-    return value
-
-
 # ---------------------------------------------------------------- header parsing
 
 
 def read_header(path: Path) -> FileHeader:
     """Parse and validate the header of one safetensors file without reading data."""
+    size, header_len = check_prelude(path)
     try:
-        size = path.stat().st_size
-        f = open(path, "rb")
+        with open(path, "rb") as f:
+            f.seek(8)
+            header_bytes = f.read(header_len)
     except OSError as exc:
         raise ConvertError(f"{path}: cannot read ({exc.strerror}); check the path and permissions") from None
-    with f:
-        raw_len = f.read(8)
-        if len(raw_len) < 8:
-            raise ConvertError(
-                f"{path}: not a safetensors file (only {size} bytes, too short for a header); {_CONVERT_HINT}"
-            )
-        (header_len,) = struct.unpack("<Q", raw_len)
-        if header_len > size - 8 or header_len > MAX_HEADER_BYTES:
-            raise ConvertError(
-                f"{path}: not a safetensors file or truncated (header length field says "
-                f"{header_len} bytes, file has {size}); re-download the file, or {_CONVERT_HINT}"
-            )
-        header_bytes = f.read(header_len)
     data_start = 8 + header_len
     header = _parse_header_json(path, header_bytes)
     metadata = _parse_metadata(path, header.pop("__metadata__", None))
@@ -197,7 +116,7 @@ def _parse_header_json(path: Path, header_bytes: bytes) -> dict[str, Any]:
     # A file that does not even start with '{' is some other format, not a
     # damaged safetensors file; say so, because the fix is different.
     if not header_bytes.lstrip().startswith(b"{"):
-        raise ConvertError(f"{path}: not a safetensors file (no JSON header); {_CONVERT_HINT}")
+        raise ConvertError(f"{path}: not a safetensors file (no JSON header); {CONVERT_HINT}")
     try:
         # safetensors' own parser refuses NaN/Infinity; so do we.
         header = parse_json(header_bytes, MAX_HEADER_DEPTH, allow_constants=False)
@@ -225,7 +144,7 @@ def _parse_metadata(path: Path, meta: Any) -> dict[str, str]:
 
 def _corrupt(path: Path, name: str, why: str) -> ConvertError:
     return ConvertError(
-        f"{path}: corrupt safetensors header, tensor {_short(name, 200)} {why}; re-download or re-export the checkpoint"
+        f"{path}: corrupt safetensors header, tensor {short(name, 200)} {why}; re-download or re-export the checkpoint"
     )
 
 
@@ -237,22 +156,22 @@ def _parse_entry(path: Path, name: str, spec: Any, data_start: int) -> TensorEnt
             raise _corrupt(path, name, f"lacks '{field}'")
     code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
     if not isinstance(code, str):
-        raise _corrupt(path, name, f'has dtype {_short(code)}, not a dtype name such as "F32"')
+        raise _corrupt(path, name, f'has dtype {short(code)}, not a dtype name such as "F32"')
     if code not in SAFETENSORS_DTYPES:
         raise ConvertError(
-            f"{path}: tensor {_short(name, 200)} has unsupported dtype {_short(code)} "
+            f"{path}: tensor {short(name, 200)} has unsupported dtype {short(code)} "
             f"(supported: {', '.join(SAFETENSORS_DTYPES)}); re-export the checkpoint in "
             "one of these dtypes"
         )
     if not isinstance(shape, list) or not all(_is_nonneg_int(d) for d in shape):
-        raise _corrupt(path, name, f"has invalid shape {_short(shape)} (a list of non-negative integers)")
+        raise _corrupt(path, name, f"has invalid shape {short(shape)} (a list of non-negative integers)")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
         or not all(_is_nonneg_int(o) for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise _corrupt(path, name, f"has invalid data_offsets {_short(offsets)} (a pair [begin, end], begin <= end)")
+        raise _corrupt(path, name, f"has invalid data_offsets {short(offsets)} (a pair [begin, end], begin <= end)")
     dtype = SAFETENSORS_DTYPES[code]
     expected = math.prod(shape) * dtype_itemsize(dtype)
     if offsets[1] - offsets[0] != expected:
@@ -263,12 +182,6 @@ def _parse_entry(path: Path, name: str, spec: Any, data_start: int) -> TensorEnt
             f"{shape} x {code} needs {expected}",
         )
     return TensorEntry(path, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    """repr of a value from a file, cut short: a damaged field may be megabytes long."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _is_nonneg_int(x: Any) -> bool:
@@ -298,93 +211,15 @@ def _check_data_fits(path: Path, tensors: dict[str, TensorEntry], size: int, dat
         )
 
 
-# ---------------------------------------------------------------- locating files
-
-
-def read_json(path: Path, what: str, fix: str) -> Any:
-    """A JSON file parsed strictly (`parse_json`); ConvertError naming the file and `fix` otherwise."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ConvertError(f"{path}: cannot read {what} ({exc.strerror}); check the path and permissions") from None
-    try:
-        return parse_json(data)
-    except ValueError as exc:
-        raise ConvertError(f"{path}: {what} is not valid JSON ({exc}); {fix}") from None
-
-
-def _read_config(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    config = read_json(path, "config", "fix or re-download config.json")
-    if not isinstance(config, dict):
-        raise ConvertError(f"{path}: config is not a JSON object; fix or re-download config.json")
-    return config
-
-
-def _read_index(index_path: Path) -> dict[str, str]:
-    fix = "fix or re-download model.safetensors.index.json"
-    index = read_json(index_path, "index", fix)
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise ConvertError(f"{index_path}: index has no valid 'weight_map' (tensor name -> shard file); {fix}")
-    for name, shard in weight_map.items():
-        if not _is_plain_file_name(shard):
-            raise ConvertError(
-                f"{index_path}: tensor {_short(name)} is mapped to {_short(shard)}, not a file name in the "
-                f"checkpoint's directory; {fix}"
-            )
-    return weight_map
-
-
-def _is_plain_file_name(name: str) -> bool:
-    """A shard named by the index must be a file beside it: no directories, no '..'."""
-    return name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
-
-
-def _locate(path: Path) -> tuple[Path, list[Path], Path | None]:
-    """Return (root, safetensors files, index path or None) for a user path."""
-    if not path.exists():
-        raise ConvertError(f"{path}: no such file or directory; check the checkpoint path")
-    if path.is_dir():
-        return _locate_in_dir(path)
-    if path.name == INDEX_NAME:
-        return path.parent, [], path
-    if path.suffix.lower() in _NOT_SAFETENSORS_SUFFIXES:
-        raise ConvertError(f"{path}: not a safetensors file; {_CONVERT_HINT}")
-    return path.parent, [path], None
-
-
-def _locate_in_dir(path: Path) -> tuple[Path, list[Path], Path | None]:
-    if (path / INDEX_NAME).is_file():
-        return path, [], path / INDEX_NAME
-    if (path / SINGLE_NAME).is_file():
-        return path, [path / SINGLE_NAME], None
-    found = sorted(p for p in path.glob("*.safetensors") if p.is_file())
-    if len(found) == 1:
-        return path, found, None
-    if len(found) > 1:
-        raise ConvertError(
-            f"{path}: directory holds {len(found)} .safetensors files but no {INDEX_NAME}; "
-            "point at one file or add an index"
-        )
-    others = sorted(p.name for p in path.iterdir() if p.suffix.lower() in _NOT_SAFETENSORS_SUFFIXES)
-    if others:
-        raise ConvertError(f"{path}: no .safetensors files (found {others[0]}); {_CONVERT_HINT}")
-    raise ConvertError(f"{path}: directory holds no .safetensors files; check the checkpoint path")
-
-
 def _load_sharded(root: Path, index_path: Path) -> tuple[list[FileHeader], dict[str, TensorEntry]]:
-    weight_map = _read_index(index_path)
+    weight_map = read_index(index_path)
     shard_names = sorted(set(weight_map.values()))
     headers: dict[str, FileHeader] = {}
     for shard in shard_names:
         shard_path = root / shard
         if not shard_path.is_file():
             raise ConvertError(
-                f"{index_path}: references shard {_short(shard, 200)} which does not exist in {root}; "
+                f"{index_path}: references shard {short(shard, 200)} which does not exist in {root}; "
                 "re-download the missing shard"
             )
         headers[shard] = read_header(shard_path)
@@ -398,7 +233,7 @@ def _load_sharded(root: Path, index_path: Path) -> tuple[list[FileHeader], dict[
     for name, shard in weight_map.items():
         if name not in entries:
             raise ConvertError(
-                f"{index_path}: lists tensor {_short(name, 200)} in {_short(shard, 200)} but that shard has no such "
+                f"{index_path}: lists tensor {short(name, 200)} in {short(shard, 200)} but that shard has no such "
                 "tensor; re-download the checkpoint or fix the index"
             )
     return list(headers.values()), entries
@@ -416,7 +251,7 @@ class Checkpoint:
 
     def __init__(self, path: Path) -> None:
         self.path: Path = Path(path)
-        root, files, index_path = _locate(self.path)
+        root, files, index_path = locate(self.path)
         self.root: Path = root
         if index_path is not None:
             headers, self._entries = _load_sharded(root, index_path)
@@ -425,7 +260,7 @@ class Checkpoint:
             self._entries = {n: e for h in headers for n, e in h.tensors.items()}
         self.files: list[Path] = [h.path for h in headers]
         self.metadata: dict[str, str] = dict(headers[0].metadata) if headers else {}
-        self.config: dict[str, Any] | None = _read_config(root / CONFIG_NAME)
+        self.config: dict[str, Any] | None = read_config(root / CONFIG_NAME)
         self._handles: dict[Path, Any] = {}
         self._raw: dict[Path, BinaryIO] = {}
         self._opening = threading.Lock()  # layers are read from two threads: one handle per file

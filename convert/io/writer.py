@@ -30,8 +30,9 @@ import torch
 
 from convert.errors import ConvertError
 from convert.io.atomic import environment_errors, fsync_dir, make_sibling, move_into_place, signals_deferred
+from convert.io.locate import INDEX_NAME, RAW_CHUNK, SINGLE_NAME
 from convert.io.output import MANIFEST_NAME, check_output, finish_manifest, output_lock, start_manifest
-from convert.io.reader import INDEX_NAME, RAW_CHUNK, SINGLE_NAME, TORCH_TO_SAFETENSORS, dtype_itemsize
+from convert.io.reader import TORCH_TO_SAFETENSORS, dtype_itemsize
 
 log = logging.getLogger("convert")
 

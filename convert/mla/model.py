@@ -18,7 +18,7 @@ from convert.hf import swap_attention as swap_attention  # re-exported: it lives
 from convert.io import open_checkpoint
 from convert.io.reader import dtype_itemsize
 from convert.mla.schema import check_converted
-from convert.options import TORCH_DTYPES
+from convert.options import TORCH_DTYPES, as_path
 
 
 def read_mla_config(path) -> dict:
@@ -98,7 +98,7 @@ def load_mla_model(path, device=None, dtype=None):
     `model(input_ids).logits` and `model.generate(...)`; the KV cache holds
     latents only.
     """
-    path = Path(path)
+    path = as_path("path", path)
     config = read_mla_config(path)
     device, dtype = _resolve_device(device), _resolve_dtype(dtype, config)
     try:

@@ -16,7 +16,8 @@ from convert.arch.spec import count_layers
 from convert.arch.validate import check_config, check_field, count, flag, one_of, positive, refuse, string
 from convert.errors import ConvertError
 from convert.hf import meta_state_dict
-from convert.io.reader import CONFIG_NAME, Checkpoint, open_checkpoint, read_json
+from convert.io.locate import CONFIG_NAME, read_json
+from convert.io.reader import Checkpoint, open_checkpoint
 from convert.mla.format import FORMAT_VERSION, MLA_MODEL_TYPE
 from convert.options import LATENTS, LAYOUTS
 from convert.plan import output_shapes

@@ -19,15 +19,11 @@ from convert.targets.deepseek import (
 )
 
 NAME = "transformers"
-NOTE = (
-    "DeepseekV3ForCausalLM for stock transformers: exact, but not for vLLM (it ignores the longrope "
-    "frequencies and the attention biases this export relies on); transformers' DeepseekV3 caches per-head "
-    "keys and values, not the latent"
-)
+NOTE = "for stock transformers: exact; its cache holds per-head keys and values, not the latent"
 #: What other runtimes make of this output.
 FOREIGN = (
-    "vLLM loads it as a DeepSeek-V3 but ignores its longrope frequencies and attention biases: it would compute "
-    "another model, so serve --target vllm instead"
+    "vLLM would ignore its attention biases and longrope frequencies (another model): for vLLM, convert with "
+    "--target vllm"
 )
 
 
@@ -47,7 +43,7 @@ def build(source, opts: ConvertOptions) -> Build:
         copied=[],
         tensors=exporting(tensors.items(), len(layout), opts.progress),
         config=lambda: config,
-        notes=lambda: [NOTE, f"opened elsewhere: {FOREIGN}"],
+        notes=lambda: [f"{NOTE}; {FOREIGN}"],
         sizes=lambda: export_sizes(source, spec, opts, layout, config),
         metadata={"format": "pt"},
         options=opts,

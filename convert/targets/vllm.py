@@ -312,12 +312,12 @@ def check_vllm_exportable(config: dict, spec: AttentionSpec, source, dtype: torc
     if rope_type not in ("default", "llama3"):
         raise ConvertError(
             f"config.json rope_type={rope_type!r}: vLLM rewrites any non-default RoPE of DeepSeek-V3 to "
-            "DeepSeek-YaRN, which holds only default and llama3 RoPE sources; use --target transformers or mla"
+            "DeepSeek-YaRN, which holds only default and llama3 RoPE sources; use --target transformers or --target mla"
         )
     if spec.head_dim % ROPE_DIM:
         raise ConvertError(
             f"head_dim {spec.head_dim}: the vllm target needs a multiple of {ROPE_DIM} (vLLM's 64 rotary dims hold "
-            f"32 frequency pairs; d = 64·f folds f source pairs into each); use --target transformers or mla"
+            f"32 frequency pairs; d = 64·f folds f source pairs into each); use --target transformers or --target mla"
         )
     if needs_calibration(spec, config) and not calibrated:
         raise ConvertError(
@@ -802,11 +802,8 @@ def _match_vllm_norm(attention: torch.nn.Module, eps: float) -> None:
 NAME = "vllm"
 #: What other runtimes make of this output.
 FOREIGN = (
-    "stock transformers loads it as a DeepseekV3ForCausalLM and computes the model vLLM serves: its latent "
-    "norm hard-codes eps 1e-6 where vLLM honours rms_norm_eps (2^40), and the export's latent bias, which only "
-    "transformers reads (vLLM skips attention biases), makes up the difference; exports written before that "
-    "need convert.targets.vllm.match_vllm_norms(model) after from_pretrained. Training it elsewhere: vLLM "
-    "ignores kv_a_proj_with_mqa.bias and o_proj.bias, so keep them frozen (convert heal does)"
+    "stock transformers runs it as a DeepseekV3ForCausalLM and computes the model vLLM serves (compare or "
+    "evaluate there); to train it, use convert heal, which keeps frozen the biases vLLM ignores"
 )
 #: How the vllm target's compressed latent is calibrated unless --calibration says: original measured
 #: better at 75% and 25% of the latent's need on SmolLM2, sequential at 50% (bench/vllm_latent.py).
@@ -830,10 +827,7 @@ def build(source, opts) -> Build:
         copied=[],
         tensors=exporting(tensors, len(layout), opts.progress),
         config=lambda: config,
-        notes=lambda: [
-            note(config["convert_export"]),
-            f"opened elsewhere: {FOREIGN}",
-        ],  # complete once every tensor is written
+        notes=lambda: [short_note(config["convert_export"]), FOREIGN],  # complete once every tensor is written
         sizes=lambda: export_sizes(source, spec, opts, layout, config),
         metadata={"format": "pt"},
         options=opts,
@@ -908,8 +902,28 @@ def report(export: dict, e2e: dict | None, ckpt_dtype: torch.dtype) -> dict:
     }
 
 
+def short_note(info: dict) -> str:
+    """What the vllm target keeps and loses, in one line that says what to do (the summary's note;
+    the report has the whole paragraph, `note`)."""
+    cache, gqa = info["kv_cache_dims_per_token_per_layer"], info["gqa_cache_dims_per_token_per_layer"]
+    size = (
+        f"{cache} cached values per token and layer, more than this model's GQA cache ({gqa}): MLA saves memory "
+        "from ~7B on"
+        if cache > gqa
+        else f"{cache} cached values per token and layer (GQA: {gqa})"
+    )
+    if info["exact"]:
+        return f"for vLLM: exact; {size}"
+    biases = info.get("attention_biases")
+    carried = f"; q/k/v biases carried in the weights ({', '.join(biases['carried'])})" if biases else ""
+    return (
+        f"for vLLM: LOSSY, vLLM rotates one 64-dim key shared by all {info['n_kv_heads']} key heads{carried}: check "
+        f"the perplexity ratio before serving (verification.md, 'Target vllm', says what changed); {size}"
+    )
+
+
 def note(info: dict) -> str:
-    """What the vllm target keeps and loses, in one paragraph (report and result notes)."""
+    """What the vllm target keeps and loses, in one paragraph (the report's; `short_note` the summary's)."""
     G, d = info["n_kv_heads"], info["head_dim"]
     cache, gqa = info["kv_cache_dims_per_token_per_layer"], info["gqa_cache_dims_per_token_per_layer"]
     size = "LARGER than" if cache > gqa else "smaller than"

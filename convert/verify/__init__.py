@@ -24,16 +24,14 @@ from convert.io import open_checkpoint
 from convert.layouts import module_layout
 from convert.mla.model import load_mla_model, read_mla_config
 from convert.options import VerifyOptions, dtype_name
-from convert.progress import progress
+from convert.progress import phase, progress
 from convert.targets import load_output, output_target
 from convert.text import model_tokenizer, text_token_ids
 from convert.verify.e2e import end_to_end, greedy_in_turn, streamed_end_to_end
 from convert.verify.layers import check_hf_layers, check_seed_layers
 from convert.verify.memory import (
-    PROCESS_BASE_BYTES,
     available_memory_bytes,
-    largest_layer_bytes,
-    memory_bound_bytes,
+    free_margin_bytes,
     one_model_memory_bytes,
     whole_model_activation_bytes,
     whole_model_memory_bytes,
@@ -121,7 +119,7 @@ def verify_paths(original, converted, **options) -> dict:
     with open_checkpoint(original) as stored, open_checkpoint(converted) as conv:
         orig = module_layout(stored, config)  # Mixtral: experts stacked, as the converted checkpoint holds them
         _check_same_source(orig, config, converted)
-        with timings("copied_tensors"):
+        with timings("copied_tensors"), phase("comparing the copied tensors", opts.progress):
             copied = copied_tensors_check(orig, conv, mla)
         ckpt_dtype = conv.dtype(next(k for k in conv.keys() if "self_attn" in k or "W_" in k or "_down" in k))
         run_dtype = opts.run_dtype(ckpt_dtype)
@@ -141,22 +139,21 @@ def verify_paths(original, converted, **options) -> dict:
         release_freed_memory()  # the per-layer check's freed modules, before the end-to-end part
         e2e, skipped = None, "the source architecture has no transformers causal LM" if not runnable else None
         if runnable:
-            with timings("end_to_end"):
+            with timings("end_to_end"), phase("end-to-end check", opts.progress):
                 e2e = _end_to_end(opts, run, converted, ids)
-        with timings("checksums"):
+        with timings("checksums"), phase("checksums of the inputs", opts.progress):
             inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(text, ids)}
     return _report(opts, run_dtype, limits, _Findings(layers, e2e, skipped, inputs, timings.close(), (copied,)))
 
 
 def _end_to_end(opts: VerifyOptions, run: VerifyRun, converted, ids) -> dict:
-    """The end-to-end figures: both whole models at once (--e2e whole, or auto on a GPU whose free
-    memory holds them), else streamed a decoder layer at a time, with (auto) greedy generation from
-    each whole model in turn when one fits; the twin's as the `floor` when there is one.
+    """The end-to-end figures: both whole models at once (--e2e whole, or auto when the free memory
+    holds them, less a margin), else streamed a decoder layer at a time, with (auto) greedy generation
+    from each whole model in turn when one fits; the twin's as the `floor` when there is one.
     converted: the converted directory (greedy generation loads it whole)."""
-    orig, conv, config, device, dtype = run.original, run.converted, run.config, run.device, run.dtype
+    orig, conv, config, device = run.original, run.converted, run.config, run.device
     tokenizer = model_tokenizer(orig.root)
-    whole = opts.e2e == "whole" or (opts.e2e == "auto" and _both_fit_gpu(orig, conv, device, dtype, ids, config))
-    if whole:
+    if opts.e2e == "whole" or (opts.e2e == "auto" and _whole_models_fit(run, ids)):
         load = lambda device, dtype: load_mla_model(converted, device=device, dtype=dtype)
         return end_to_end(run, load, ids, tokenizer)
     greedy, why = None, "greedy generation needs a whole model with a KV cache, and --e2e streamed keeps to one layer"
@@ -248,9 +245,9 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
         twin = twin_view(orig, config) if limits["noise_floor"] else None
         run = VerifyRun(orig, conv, config, device, dtype, twin, ckpt_dtype)
         load = lambda device, dtype: load_export(exported, device, dtype)
-        with timings("end_to_end"):
+        with timings("end_to_end"), phase("end-to-end check", opts.progress):
             e2e = end_to_end(run, load, ids, model_tokenizer(orig.root))
-        with timings("checksums"):
+        with timings("checksums"), phase("checksums of the inputs", opts.progress):
             inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(opts.text, ids)}
     report = _report(opts, dtype, limits, _Findings([], e2e, None, inputs, timings.close()))
     section = output_target(conv.config or {}).report(export, e2e, ckpt_dtype)
@@ -298,30 +295,31 @@ def _report(opts: VerifyOptions, run_dtype, limits: dict, found: _Findings) -> d
 
 
 def _one_model_fits(orig, conv, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether the larger of the two whole models, in `dtype`, fits where it runs. On a GPU: its free
-    memory. On the CPU: the memory available and the streamed run's memory bound (`memory_bound_bytes`)
-    less a process's own (`PROCESS_BASE_BYTES`): a default run keeps to that bound on any machine (in
-    a container too, whose limit the kernel's MemAvailable does not show), whatever process calls it."""
-    needed = max(one_model_memory_bytes(ckpt.total_bytes(), ckpt.dtype(ckpt.keys()[0]), dtype) for ckpt in (orig, conv))
+    """Whether the larger of the two whole models, in `dtype`, fits in the memory free where it runs
+    (`_within_free`), and if not, why."""
+    needed = max(one_model_memory_bytes(c.total_bytes(), c.dtype(c.keys()[0]), dtype) for c in (orig, conv))
+    return _within_free(needed, device)
+
+
+def _whole_models_fit(run: VerifyRun, ids) -> bool:
+    """Whether both whole models in the run's dtype and the whole-model run's logits fit in the memory
+    free where they run (`_within_free`): then --e2e auto verifies them whole, greedy generation included."""
+    checkpoints = (run.original, run.converted)
+    models = sum(one_model_memory_bytes(c.total_bytes(), c.dtype(c.keys()[0]), run.dtype) for c in checkpoints)
+    activations = whole_model_activation_bytes(ids.shape[-1], run.config["vocab_size"])
+    return _within_free(models + activations, run.device)[0]
+
+
+def _within_free(needed: int, device: torch.device) -> tuple[bool, str]:
+    """Whether `needed` bytes fit in the memory free on `device` (the host's, within a container's
+    limit, or the GPU's) less the margin `free_margin_bytes` keeps unused; the figures, when not."""
+    free = available_memory_bytes(device)
+    margin = free_margin_bytes(free)
     gib = lambda n: f"{n / 2**30:.2f} GiB"
-    if device.type == "cuda":
-        free = available_memory_bytes(device)
-        return needed <= free, f"it needs ~{gib(needed)}, more than the {gib(free)} free on {device}"
-    bound = memory_bound_bytes(largest_layer_bytes(orig, conv))
-    room = min(bound - PROCESS_BASE_BYTES, available_memory_bytes(device))
-    return needed <= room, (
-        f"it needs ~{gib(needed)}, more than the {gib(max(room, 0))} left within the memory bound "
-        f"({gib(bound)}: 1 GiB + 2 x the largest layer) and the memory available; --e2e whole runs it regardless"
+    return needed <= free - margin, (
+        f"it needs ~{gib(needed)}, more than the {gib(max(free - margin, 0))} usable of the {gib(free)} "
+        f"free on {device} ({gib(margin)} kept free)"
     )
-
-
-def _both_fit_gpu(orig, conv, device: torch.device, dtype: torch.dtype, ids, config: dict) -> bool:
-    """Whether `device` is a GPU whose free memory holds both whole models in `dtype` and the
-    whole-model run's logits: then --e2e auto verifies them whole there, greedy generation included."""
-    if device.type != "cuda" or ids is None:
-        return False
-    models = sum(one_model_memory_bytes(c.total_bytes(), c.dtype(c.keys()[0]), dtype) for c in (orig, conv))
-    return models + whole_model_activation_bytes(ids.shape[-1], config["vocab_size"]) <= available_memory_bytes(device)
 
 
 def _fits(orig, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:

@@ -1,12 +1,12 @@
-"""The memory model of verification: what whole-model and streamed verification hold, the memory
-bound a default run keeps to, and the memory available (docs/design.md, "Memory"). `--e2e auto`
-decides from it whether to verify whole models or stream them, and whether greedy generation runs;
-bench/memory.py holds the estimates against measured peaks."""
+"""The memory model of verification: what whole-model and streamed verification hold, and the
+memory free to hold it (docs/design.md, "Memory"). `--e2e auto` decides from it whether to verify
+whole models or stream them, and whether greedy generation runs; bench/memory.py holds the
+estimates against measured peaks."""
 
 import math
 import os
-import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -20,11 +20,21 @@ WHOLE_MODEL_FACTOR = 2.5
 # it, and the transients of building it and of a short generation (measured: 1.08x SmolLM2's
 # converted model, 1.18x a 2-layer Llama-3-8B shape's).
 ONE_MODEL_FACTOR = 1.2
-# The memory bound of a streamed run (`memory_bound_bytes`): this plus twice the largest layer.
-MEMORY_BOUND_BASE = 2**30
-# A process's own memory once torch, transformers and convert are imported (bench/memory.py's
-# baseline: 0.33 GiB on CPU), which the bound includes.
-PROCESS_BASE_BYTES = 350 * 2**20
+# `--e2e auto` loads whole models only into the free memory less a margin: the larger of 1 GiB and
+# a fifth of what is free. The estimates run up to 7% under measured peaks (bench/memory.py), and
+# the free memory is a snapshot: other processes (or a GPU's other users) grow meanwhile, and part
+# of MemAvailable is page cache holding the very checkpoints being read.
+FREE_MARGIN_MIN = 2**30
+FREE_MARGIN_FRACTION = 0.2
+# Where the CPU's free memory is read (module constants, so that tests can point them at fakes).
+MEMINFO = Path("/proc/meminfo")
+PROC_CGROUP = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# Per cgroup version: the limit's file, the usage's, and the usage's reclaimable part (in memory.stat).
+CGROUP_FILES = {
+    2: ("memory.max", "memory.current", "inactive_file"),
+    1: ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+}
 
 
 def whole_model_memory_bytes(checkpoint_bytes: int, checkpoint_dtype: torch.dtype, run_dtype: torch.dtype) -> int:
@@ -32,28 +42,9 @@ def whole_model_memory_bytes(checkpoint_bytes: int, checkpoint_dtype: torch.dtyp
     return int(WHOLE_MODEL_FACTOR * checkpoint_bytes * dtype_itemsize(run_dtype) / dtype_itemsize(checkpoint_dtype))
 
 
-def largest_layer_bytes(*checkpoints) -> int:
-    """The largest single layer as stored in any of `checkpoints`: one decoder layer's tensors
-    together, or one tensor outside the decoder layers (the embedding, the lm_head)."""
-    layers: dict[tuple, int] = {}
-    for i, checkpoint in enumerate(checkpoints):
-        for name in checkpoint.keys():
-            match = re.search(r"\.layers\.(\d+)\.", name)
-            key = (i, match.group(1) if match else name)
-            nbytes = math.prod(checkpoint.shape(name)) * dtype_itemsize(checkpoint.dtype(name))
-            layers[key] = layers.get(key, 0) + nbytes
-    return max(layers.values(), default=0)
-
-
-def memory_bound_bytes(largest_layer: int) -> int:
-    """The peak a streamed conversion with verification keeps to (the process included): 1 GiB
-    plus two of its largest layers. `--e2e auto` runs greedy generation only within it."""
-    return MEMORY_BOUND_BASE + 2 * largest_layer
-
-
 def one_model_memory_bytes(checkpoint_bytes: int, checkpoint_dtype: torch.dtype, dtype: torch.dtype) -> int:
-    """Memory of one whole model in `dtype` (greedy generation under --e2e auto: a few dozen tokens'
-    KV cache and activations besides, and the tensor being read in), `ONE_MODEL_FACTOR` x its weights."""
+    """Memory of one whole model in `dtype` (a few dozen tokens' KV cache and activations besides,
+    and the tensor being read in), `ONE_MODEL_FACTOR` x its weights."""
     return int(ONE_MODEL_FACTOR * checkpoint_bytes * dtype_itemsize(dtype) / dtype_itemsize(checkpoint_dtype))
 
 
@@ -104,12 +95,65 @@ def whole_model_activation_bytes(tokens: int, vocab: int, window: int = 1024) ->
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    """Memory free for new tensors on `device` (CPU: the kernel's MemAvailable)."""
+    """Memory free for new tensors on `device`: on a GPU what CUDA reports free; on the CPU the
+    kernel's MemAvailable, or the headroom of a memory-limited cgroup (a container) if smaller."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    return min(_mem_available(), _cgroup_headroom())
+
+
+def free_margin_bytes(free: int) -> int:
+    """What `--e2e auto` leaves unused of `free` bytes (`FREE_MARGIN_FRACTION`, at least `FREE_MARGIN_MIN`)."""
+    return max(FREE_MARGIN_MIN, int(FREE_MARGIN_FRACTION * free))
+
+
+def _mem_available() -> int:
     try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
+        fields = dict(line.split(":", 1) for line in MEMINFO.read_text().splitlines())
         return int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _cgroup_headroom() -> float:
+    """The least headroom (limit less usage) of the memory cgroups this process is in, its own and
+    each above it, v2 or v1; infinite where none sets a limit ("max", or no such files)."""
+    return min((_headroom(directory, *CGROUP_FILES[v]) for directory, v in _cgroup_dirs()), default=math.inf)
+
+
+def _cgroup_dirs():
+    """(directory, version) of this process's memory cgroup and of each above it, from /proc/self/cgroup
+    ("0::/path" for v2, "N:...memory...:/path" for v1); in a container the mount's root is its own."""
+    try:
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        return
+    for hierarchy, controllers, path in (line.split(":", 2) for line in lines if line.count(":") >= 2):
+        version = 2 if hierarchy == "0" and not controllers else 1 if "memory" in controllers.split(",") else None
+        if version is None:
+            continue
+        root = CGROUP_ROOT if version == 2 else CGROUP_ROOT / "memory"
+        directory = root / path.strip("/")
+        while directory != root:
+            yield directory, version
+            directory = directory.parent
+        yield root, version
+
+
+def _headroom(directory: Path, limit_file: str, usage_file: str, reclaimable: str) -> float:
+    """A cgroup's limit less its usage, the reclaimable page cache not counted as used."""
+    try:
+        limit = (directory / limit_file).read_text().strip()
+        if limit == "max":
+            return math.inf
+        return int(limit) - int((directory / usage_file).read_text()) + _stat(directory).get(reclaimable, 0)
+    except (OSError, ValueError):
+        return math.inf
+
+
+def _stat(directory: Path) -> dict[str, int]:
+    try:
+        pairs = [line.split() for line in (directory / "memory.stat").read_text().splitlines()]
+        return {pair[0]: int(pair[1]) for pair in pairs if len(pair) == 2}
+    except (OSError, ValueError):
+        return {}

@@ -276,19 +276,40 @@ def _timings_line(report: dict) -> str:
     return "Timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in report["timings"].items())
 
 
-def _decision_table(decision: dict) -> list[str]:
-    """The figures the verdict compared, against their bounds (per-layer rows folded into one)."""
+def _decision_rows(decision: dict) -> list[dict]:
+    """The checks the verdict compared, the per-layer ones folded into their worst."""
     layer_checks = [c for c in decision["checks"] if c["name"].startswith("layer ")]
     rows = [c for c in decision["checks"] if not c["name"].startswith("layer ")]
     if layer_checks:
         worst = max(layer_checks, key=lambda c: c["value"] if c["over"] is None else c["over"])
         ok = all(c["ok"] for c in layer_checks)
         rows.insert(0, {**worst, "name": f"worst layer relative error ({worst['name'].split()[1]})", "ok": ok})
+    return rows
+
+
+def _value(check: dict) -> str:
+    value = check["value"]
+    return "—" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _decision_table(decision: dict) -> list[str]:
+    """The figures the verdict compared, against their bounds (per-layer rows folded into one)."""
     out = ["| check | value | bound | |", "|---|---:|---|---|"]
-    for c in rows:
-        value = "—" if c["value"] is None else f"{c['value']:.4g}" if isinstance(c["value"], float) else c["value"]
-        out.append(f"| {c['name']} | {value} | {c['bound']} | {'ok' if c['ok'] else '**FAIL**'} |")
+    for c in _decision_rows(decision):
+        out.append(f"| {c['name']} | {_value(c)} | {c['bound']} | {'ok' if c['ok'] else '**FAIL**'} |")
     return out + [""]
+
+
+def summary_lines(report: dict) -> list[str]:
+    """What `convert verify` prints (the whole report: `render_markdown`): the verdict and its rule,
+    one line per check it compared (the per-layer ones folded into their worst), greedy generation."""
+    lines = [f"verification: {report['verdict']} (decided by the {report['decision']['rule']})"]
+    for c in _decision_rows(report["decision"]):
+        lines.append(f"  {'ok  ' if c['ok'] else 'FAIL'}  {c['name']}: {_value(c)} ({c['bound']})")
+    e2e = report.get("end_to_end")
+    if e2e and "greedy_match" in e2e:
+        lines.append(f"  greedy continuation identical: {_greedy_cell(e2e)}")
+    return lines
 
 
 def _input_line(report: dict) -> str:

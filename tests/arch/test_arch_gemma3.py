@@ -99,7 +99,7 @@ def test_the_multimodal_model_is_refused_with_the_text_alternative():
 
 
 def test_absorbed_compression_is_refused_before_any_work():
-    with pytest.raises(convert.ConvertError, match="q/k norm.*--layout factored"):
+    with pytest.raises(convert.ConvertError, match="q/k norm.*layout='factored'"):
         convert.to_mla(gemma3(), kv_cache_ratio=0.5)
 
 

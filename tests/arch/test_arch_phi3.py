@@ -98,7 +98,7 @@ def test_deepseek_targets_are_refused_with_the_reason(tmp_path, target):
 
 def test_partial_rope_compresses_in_the_factored_layout_only():
     model = phi3()
-    with pytest.raises(convert.ConvertError, match="partial RoPE.*--layout factored"):
+    with pytest.raises(convert.ConvertError, match="partial RoPE.*layout='factored'"):
         convert.to_mla(model, rank=16, method="svd")
     compressed = convert.to_mla(model, layout="factored", rank=16, method="svd")
     assert compressed.model.layers[0].self_attn.rank_k == 16

@@ -130,7 +130,7 @@ def test_other_qk_norm_families_are_refused_with_what_they_add():
 
 def test_olmo2_uncalibrated_compression_is_refused(tmp_path):
     model = qwen3(family="olmo2")
-    with pytest.raises(convert.ConvertError, match="olmo2 model .q/k norm.*--calib"):
+    with pytest.raises(convert.ConvertError, match="olmo2 model .q/k norm.*calib"):
         convert.to_mla(model, rank=4, method="svd", layout="factored")
 
 

@@ -2,6 +2,7 @@
 same choices, and what a flag says reaches the API unchanged."""
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import click
@@ -13,10 +14,10 @@ import convert.verify
 from convert.cli import main
 from convert.options import ConvertOptions, VerifyOptions
 
-from conftest import REPO
+from conftest import REPO, TINY_LLAMA
 
 # Command arguments that are API arguments, not options.
-NOT_OPTIONS = {"gqa2mla": {"src", "output"}, "verify": {"original", "converted", "report_dir"}}
+NOT_OPTIONS = {"gqa2mla": {"src", "output"}, "verify": {"original", "converted", "report_dir", "verbose"}}
 COMMANDS = {"gqa2mla": ConvertOptions, "verify": VerifyOptions}
 
 
@@ -88,7 +89,8 @@ def test_a_flag_reaches_the_api_as_its_field(monkeypatch, tmp_path, name):
 
     monkeypatch.setattr(convert.api, "gqa2mla", fake_gqa2mla)
     args, value = NON_DEFAULTS[name]
-    result = CliRunner().invoke(main, ["gqa2mla", str(tmp_path), *args])  # a source that exists
+    shutil.copytree(TINY_LLAMA, tmp_path / "src")  # a checkpoint: the CLI checks SRC before the API runs
+    result = CliRunner().invoke(main, ["gqa2mla", str(tmp_path / "src"), *args])
     assert result.exit_code == 0, result.output
     assert seen[name] == value
     others = {f.name: f.default for f in dataclasses.fields(ConvertOptions) if f.name != name}

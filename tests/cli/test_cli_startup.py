@@ -142,6 +142,29 @@ def test_the_missing_source_line_is_the_apis(tmp_path):
     assert result.exit_code == 2 and result.stderr == f"error: {api.value}\n"
 
 
+@pytest.mark.parametrize("kind", ["not safetensors", "no weights", "already converted"])
+def test_a_source_that_is_no_gqa_checkpoint_is_refused_before_torch(kind, tmp_path):
+    """A file that is no checkpoint, a directory without weights, or convert's own output: refused
+    at once (no torch import), in one line naming what it is, as the API refuses it."""
+    if kind == "not safetensors":
+        src = tmp_path / "model.safetensors"
+        src.write_text("hello")
+    elif kind == "no weights":
+        src = tmp_path / "empty"
+        src.mkdir()
+    else:
+        src = tmp_path / "mla"
+        convert.api.gqa2mla(TINY_LLAMA, src, verify=False, progress=False)
+    code, out, err, heavy = _run_entry_point("gqa2mla", src, "-o", tmp_path / "out")
+    assert code == 2 and heavy == "none" and not out, err
+    words = {"not safetensors": "not a safetensors file", "no weights": "no .safetensors files"}
+    expected = words.get(kind, "already converted to MLA (by convert ")
+    assert err.count("\n") == 1 and expected in err, err
+    with pytest.raises(ConvertError, match=re.escape(expected)):
+        convert.api.gqa2mla(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_cuda_is_refused():
     code, _, err, _ = _run_entry_point("gqa2mla", TINY_LLAMA, "--device", "cuda")

@@ -119,7 +119,7 @@ def test_nope_angle_zero_keeps_every_frequency_rotary():
     model = hf_model("llama")
     with pytest.raises(convert.ConvertError, match="odd"):
         convert.to_mla(model, rank=15, method="svd", nope_angle=0)
-    with pytest.raises(convert.ConvertError, match="--nope-angle"):
+    with pytest.raises(convert.ConvertError, match="nope_angle"):
         convert.to_mla(model, rank=16, method="svd", nope_angle=-1)
 
 

@@ -57,6 +57,7 @@ def test_convert_verify_passes_on_real_text(smollm2_converted, smollm2, tmp_path
     report = json.loads((tmp_path / "verification.json").read_text())
     assert report["verdict"] == "PASS" and len(report["layers"]) == 30
     assert report["inputs"]["text"]["tokens"] == 256
+    assert report["end_to_end"]["greedy_match"] is True  # --e2e auto: one whole model fits, or both
 
 
 def test_fisher_compression_keeps_perplexity_at_half_the_cache(

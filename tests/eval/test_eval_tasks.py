@@ -66,5 +66,5 @@ def test_the_task_manager_finds_the_local_tasks():
 @pytest.mark.slow
 def test_the_task_manager_refuses_a_task_lm_eval_does_not_have():
     """Not a local task: lm_eval's own catalogue is searched too (~10 s to index)."""
-    with pytest.raises(ConvertError, match=r"^--tasks no_such_task: no such lm_eval task; use the local ones"):
+    with pytest.raises(ConvertError, match=r"^tasks no_such_task: no such lm_eval task; use the local ones"):
         task_manager(["no_such_task"])

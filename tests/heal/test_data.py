@@ -52,7 +52,7 @@ def test_reading_stops_at_the_tokens_asked_for(corpus):
 def test_a_missing_field_and_an_unknown_kind_of_file_are_refused_with_the_fix(corpus, tmp_path):
     _, jsonl, parquet = corpus
     for path in (jsonl, parquet):
-        with pytest.raises(convert.ConvertError, match=rf"{path.name}: no field 'text'.*--text-field"):
+        with pytest.raises(convert.ConvertError, match=rf"{path.name}: no field 'text'.*text_field"):
             list(documents([path]))
     (tmp_path / "notes.csv").write_text("a,b\n")
     with pytest.raises(convert.ConvertError, match=r"notes.csv: unknown kind of file; give \.txt"):

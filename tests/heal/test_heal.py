@@ -87,7 +87,7 @@ def test_a_text_too_short_for_the_check_tokens_is_refused_with_the_fix():
     original = hf_model("llama")
     model = convert.to_mla(original, layout="factored", kv_cache_ratio=0.5, method="svd")
     options = HEAL | {"tokens": 64, "steps": 2}
-    with pytest.raises(convert.ConvertError, match="too short to hold out check tokens.*--check-every 0"):
+    with pytest.raises(convert.ConvertError, match="too short to hold out check tokens.*check_every=0"):
         convert.heal(model, _ids(3, 1), original=original, eval_texts=_ids(64, 2), **options)
     result = convert.heal(model, _ids(3, 1), original=original, eval_texts=_ids(64, 2), **options, check_every=0)
     assert result.report["checks"] is None and result.report["train_tokens"] == 3

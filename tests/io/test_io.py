@@ -483,7 +483,7 @@ def test_existing_output_without_force(tmp_path: Path) -> None:
     out = tmp_path / "out"
     _earlier_output(out)
     before = sorted(p.name for p in out.iterdir())
-    with pytest.raises(ConvertError, match=r"out exists \(an earlier conversion\); pass --force"):
+    with pytest.raises(ConvertError, match=r"out exists \(an earlier conversion\); pass force=True"):
         CheckpointWriter(out, {"a": ((1,), torch.float32)}, 10**9)
     assert sorted(p.name for p in out.iterdir()) == before
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
@@ -602,7 +602,7 @@ def test_parse_size(text: str, expected: int) -> None:
 
 @pytest.mark.parametrize("text", ["abc", "", "5XB", "-5GB", "GB", "0", "1.2.3GB"])
 def test_parse_size_errors(text: str) -> None:
-    with pytest.raises(ConvertError, match="--max-shard-size"):
+    with pytest.raises(ConvertError, match="max_shard_size"):
         parse_size(text)
 
 

@@ -37,6 +37,18 @@ def test_every_target_says_what_other_runtimes_make_of_it():
         assert len(target(name).FOREIGN) > 40, name
 
 
+@pytest.mark.parametrize("name", ["transformers", "vllm"])
+def test_an_exports_notes_are_short_say_what_to_do_and_say_it_once(name, tmp_path):
+    """The summary's notes: each one line a reader takes in at once, each with the thing to do, and
+    no warning twice (the report keeps the whole account)."""
+    result = convert.gqa2mla(_tiny_llama(tmp_path), tmp_path / name, target=name, verify=False, progress=False)
+    assert result.notes and all(len(note) <= 240 for note in result.notes), result.notes
+    text = " ".join(result.notes)
+    assert text.count("vLLM") <= 2 if name == "transformers" else "computes the model vLLM serves" in text
+    assert ("--target vllm" in text) if name == "transformers" else ("convert heal" in text)
+    assert len(set(result.notes)) == len(result.notes)
+
+
 def _as_vllm_computes(model):
     """transformers' DeepseekV3 as vLLM runs a checkpoint (vllm/model_executor/models/deepseek_v2.py):
     kv_a_proj_with_mqa and o_proj built with bias=False, their checkpoint biases skipped, and the

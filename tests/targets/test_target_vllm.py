@@ -152,7 +152,7 @@ def test_api_writes_a_report_that_says_where_it_is_lossy(tmp_path):
     calib = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(2))
     text = tmp_path / "prose.txt"
     text.write_text(PROSE)
-    with pytest.raises(ConvertError, match="lossy.*--text FILE.*--max-ppl-ratio R"):  # judged by perplexity
+    with pytest.raises(ConvertError, match="lossy.*text=FILE.*max_ppl_ratio=R"):  # judged by perplexity
         convert.gqa2mla(tmp_path / "src", tmp_path / "out", target="vllm", calib=calib, progress=False)
     assert not (tmp_path / "out").exists()
     result = convert.gqa2mla(

@@ -2,13 +2,18 @@
 safely and verified end to end; `convert verify` re-checks it; flags it would ignore are refused."""
 
 import json
+import re
+import subprocess
+import sys
 
 import pytest
+import torch
 from click.testing import CliRunner
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from convert.cli import main
 
-from conftest import TINY_LLAMA
+from conftest import CONVERT_STDERR_LINE, REPO, TINY_LLAMA
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +59,22 @@ def test_flags_an_export_would_ignore_are_refused(tmp_path, flags):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and flags[0] in result.stderr and "--target mla" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["transformers", "vllm"])
+def test_an_export_writes_only_converts_own_lines_on_stderr(target, tmp_path):
+    """No third-party warning reaches the user (transformers' deprecations included: convert calls
+    the current API), through the installed entry point in a fresh process, progress on."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=64, num_hidden_layers=2,
+        vocab_size=128, intermediate_size=64, max_position_embeddings=256,
+    )  # fmt: skip
+    LlamaForCausalLM(config).eval().save_pretrained(tmp_path / "src")  # vllm's exact case: one key head of 64
+    args = ["gqa2mla", str(tmp_path / "src"), "-o", str(tmp_path / "out"), "--target", target, "--tokens", "64"]
+    done = subprocess.run([sys.executable, str(REPO / "cli.py"), *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines and not [line for line in lines if not CONVERT_STDERR_LINE.match(line)], done.stderr
+    assert not re.search(r"warn|deprecat", done.stderr, re.I), done.stderr

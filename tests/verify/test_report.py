@@ -13,7 +13,7 @@ import convert
 from convert.cli import main
 from convert.errors import ConvertError
 
-from conftest import TINY_LLAMA
+from conftest import PROSE, TINY_LLAMA
 
 
 def _convert(tmp_path, *extra):
@@ -98,7 +98,7 @@ def test_rank_equal_to_exact_is_the_exact_conversion():
 def test_cuda_without_a_gpu_is_a_convert_error_from_the_api(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    with pytest.raises(ConvertError, match="--device cuda"):
+    with pytest.raises(ConvertError, match="device='cuda'"):
         convert.gqa2mla(TINY_LLAMA, tmp_path / "out", device="cuda")
     assert not (tmp_path / "out").exists()
 
@@ -143,3 +143,52 @@ def test_verify_refuses_a_pair_whose_configs_differ(tmp_path, float64_run):
     (copy / "config.json").write_text(json.dumps(config))
     result = CliRunner().invoke(main, ["verify", str(TINY_LLAMA), str(copy), "--dtype", "float32", "-q"])
     assert result.exit_code == 2 and "rms_norm_eps=0.001" in result.stderr and "ORIGINAL" in result.stderr
+
+
+@pytest.mark.parametrize("e2e", ["whole", "streamed"])
+def test_one_kv_cache_figure_for_a_compressed_factored_output(e2e, tmp_path):
+    """The factored layout also keeps each token's position (8 B per layer) beside its latents; the
+    one figure, in the summary, config.json, the report and the README's table, counts the latents
+    only (docs/design.md), whether the report measured whole models or computed it streamed."""
+    text = tmp_path / "text.txt"
+    text.write_text(PROSE)
+    out = tmp_path / "out"
+    args = ["gqa2mla", str(TINY_LLAMA), "-o", str(out), "--layout", "factored", "--kv-cache-ratio", "0.5"]
+    args += ["--method", "svd", "--text", str(text), "--max-ppl-ratio", "100", "--e2e", e2e]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code in (0, 1), result.output
+    summary = next(line for line in result.stdout.splitlines() if line.startswith("KV cache per token"))
+    config = json.loads((out / "config.json").read_text())
+    compression = config["mla"]["compression"]
+    from_config = compression["cache_dims"] * 4  # float32
+    report = json.loads((out / "verification.json").read_text())["end_to_end"]
+    assert report["mode"] == e2e
+    assert from_config == report["kv_cache_bytes_per_token_converted"] == 256  # 2 layers x 32 dims x 4 B
+    assert summary.startswith(f"KV cache per token: 512 B (GQA) -> {from_config} B (MLA)")
+    assert f"| 512 → {from_config} |" in (out / "verification.md").read_text()
+
+
+def test_convert_verify_prints_a_summary_and_the_whole_report_when_asked(tmp_path, float64_run):
+    """As `gqa2mla` does: the verdict, one line per check it compared, greedy generation, and where
+    the whole report is (-v prints it; --report-dir keeps it)."""
+    result, markdown = float64_run
+    args = ["verify", str(TINY_LLAMA), str(result.output), "--dtype", "float64"]
+    short = CliRunner().invoke(main, args)
+    assert short.exit_code == 0, short.output
+    lines = short.stdout.splitlines()
+    assert lines[0] == "verification: PASS (decided by the exact conversion: round-off bounds of float32)"
+    checks = [line for line in lines if line.startswith("  ok ")]
+    assert [line.split(":")[0].split(maxsplit=1)[1] for line in checks] == [
+        "worst layer relative error (0)" if "(0)" in lines[1] else "worst layer relative error (1)",
+        "tensors copied from the original, byte for byte",
+        "logits relative error",
+        "perplexity ratio − 1 (abs.)",
+        "top-1 agreement",
+    ]
+    assert "  greedy continuation identical: yes (float64)" in lines
+    assert lines[-1] == "the whole report: add -v, or --report-dir DIR to keep it" and len(lines) <= 10
+    whole = CliRunner().invoke(main, [*args, "-v", "--report-dir", str(tmp_path / "rep")])
+    assert whole.exit_code == 0 and whole.stdout.startswith("# Verification: PASS\n")
+    assert whole.stdout.strip() == (tmp_path / "rep" / "verification.md").read_text().strip()
+    kept = CliRunner().invoke(main, [*args, "--report-dir", str(tmp_path / "rep2")])
+    assert kept.stdout.splitlines()[-1] == f"report: {tmp_path / 'rep2' / 'verification.md'}"

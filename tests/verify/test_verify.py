@@ -179,12 +179,14 @@ def test_half_precision_checkpoint_factors_in_float32_and_passes_its_layer_check
 @pytest.mark.parametrize("quiet", [[], ["-q"]])
 def test_a_fail_says_why_on_stderr(tmp_path, quiet):
     """Exit 1 prints one stderr line per failed check (with -q too), then where the report is. Without
-    -q, off a terminal, the phases' progress lines ("converting: layer 2/2, ...") come first."""
+    -q, off a terminal, the phases' progress lines ("converting: layer 2/2, ...", "end-to-end check ...")
+    come first."""
     src, out = _save(tmp_path), tmp_path / "out"
     result = CliRunner().invoke(main, ["gqa2mla", str(src), "-o", str(out), "--head-map", "tiled", *quiet])
     assert result.exit_code == 1, result.output
     report = json.loads((out / "verification.json").read_text())
-    lines = [line for line in result.stderr.strip().splitlines() if not re.match(r"[\w ()]+: \w+ \d+/\d+, ", line)]
+    progress = r"[\w ()]+: \w+ \d+/\d+, |.* \.\.\.$|[\w -]+: done in |.*, still working$"
+    lines = [line for line in result.stderr.strip().splitlines() if not re.match(progress, line)]
     assert lines == [f"FAIL: {f}" for f in report["failures"]] + [f"report: {out / 'verification.md'}"]
     assert lines[0].startswith("FAIL: layer 0: attention output relative error")
     assert ("verifying: layer 2/2" in result.stderr) == (not quiet)
