@@ -136,6 +136,17 @@ def compressed(tmp_path_factory):
     return src, out, train, held
 
 
+def test_cli_heal_names_its_output_as_the_user_typed_it(compressed, tmp_path, monkeypatch):
+    """From the working directory, as `gqa2mla` does: `wrote conv-healed`, not an absolute path."""
+    src, converted, train, held = compressed
+    shutil.copytree(converted, tmp_path / "conv")
+    monkeypatch.chdir(tmp_path)
+    result = _run("heal", "conv", "--text", train, "--original", src, "--steps", 2, "--window", 64, "--device", "cpu")
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert result.stdout.startswith("wrote conv-healed\n"), result.stdout
+    assert "; conv-healed/healing.md)" in result.stdout, result.stdout
+
+
 def test_cli_heal_writes_a_loadable_healed_directory(compressed, tmp_path):
     src, converted, train, held = compressed
     out = tmp_path / "healed"
