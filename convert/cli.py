@@ -426,11 +426,12 @@ def evaluate(dirs, original, output, **options):
             )
     if output is not None and (output.is_dir() or not output.resolve().parent.is_dir()):
         raise ConvertError(f"--output {output}: not a file in an existing directory; pass e.g. --output results.json")
-    _load_api()
-    from convert.evaluate import evaluate as run
-    from convert.evaluate import render_markdown
+    with opening(f"convert eval {' '.join(map(str, dirs))}", True):  # lm_eval's own bars are not every 30 s
+        _load_api()
+        from convert.evaluate import evaluate as run
+        from convert.evaluate import render_markdown
 
-    results = run(list(dirs), options.pop("tasks"), original=original, **options)
+        results = run(list(dirs), options.pop("tasks"), original=original, **options)
     click.echo(render_markdown(results))
     if output is not None:
         output.write_text(json.dumps(results, indent=2) + "\n")

@@ -165,3 +165,22 @@ def test_a_slowed_conversion_is_never_silent(fast_beat, monkeypatch, tmp_path):
         next(i for i, l in enumerate(lines) if l.startswith("end-to-end check: done")),
     )
     assert any(re.fullmatch(r"end-to-end check: 0:00:0\d elapsed, still working", l) for l in lines[start:end]), lines
+
+
+def test_a_slowed_evaluation_is_never_silent(fast_beat, monkeypatch):
+    """`convert eval` off a terminal: its opening line, then the heartbeat while lm_eval runs (whose
+    own bars are not timed)."""
+    import convert.evaluate
+
+    def slow_evaluate(dirs, tasks, original=None, **options):
+        time.sleep(0.8)
+        return {"models": [], "tasks": tasks}
+
+    monkeypatch.setattr(convert.evaluate, "evaluate", slow_evaluate)
+    monkeypatch.setattr(convert.evaluate, "render_markdown", lambda results: "table")
+    result = CliRunner().invoke(cli.main, ["eval", str(TINY_LLAMA)])
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    assert lines[0] == f"convert eval {TINY_LLAMA} ...", lines
+    assert sum(bool(re.fullmatch(r"convert eval .+: 0:00:0\d elapsed, still working", l)) for l in lines) >= 2, lines
+    assert result.stdout.strip() == "table"
