@@ -55,7 +55,7 @@ PROSE = (
 
 #: A line `convert` itself writes on stderr off a terminal: its opening line, a progress or phase line,
 #: a note or a warning (anything else there, a third party's warning say, is a bug: issue 36).
-CONVERT_STDERR_LINE = re.compile(r"^(convert \w+ .+|[a-z][\w -]*( \.\.\.|: .+)|(note|warning): .+)$")
+CONVERT_STDERR_LINE = re.compile(r"^(convert \w+ .+|[a-z][\w ()-]*( \.\.\.|: .+)|(note|warning): .+)$")
 
 
 def rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:

@@ -93,8 +93,8 @@ def test_cli_writes_loads_and_verifies_a_compressed_qwen3(tmp_path):
 @pytest.mark.parametrize(
     "options, fragment",
     [
-        ({"kv_cache_ratio": 0.5}, "--layout factored"),  # absorbed (the default layout)
-        ({"kv_cache_ratio": 0.5, "layout": "factored", "method": "svd"}, "--calib"),
+        ({"kv_cache_ratio": 0.5}, "layout='factored'"),  # absorbed (the default layout)
+        ({"kv_cache_ratio": 0.5, "layout": "factored", "method": "svd"}, "calib=FILE"),
     ],
 )
 def test_what_is_not_covered_is_refused_with_the_alternative(options, fragment):
