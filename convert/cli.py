@@ -306,6 +306,7 @@ def verify(original, converted, report_dir, verbose, **options):
         from convert.verify.report import summary_lines
 
         report = verify_paths(original, converted, **options)
+    where = None if report_dir is None else Path(report_dir) / "verification.md"
     if report_dir is not None:
         write_report(report, report_dir)
     if not options["progress"]:
@@ -315,10 +316,9 @@ def verify(original, converted, report_dir, verbose, **options):
     else:
         for line in summary_lines(report):
             click.echo(line)
-        where = Path(report_dir) / "verification.md" if report_dir is not None else None
         click.echo(f"report: {_shown(where)}" if where else "the whole report: add -v, or --report-dir DIR to keep it")
     if report["verdict"] != "PASS":
-        _failures(report, None if report_dir is None else Path(report_dir) / "verification.md")
+        _failures(report, where)
     sys.exit(0 if report["verdict"] == "PASS" else 1)
 
 
@@ -366,7 +366,8 @@ def heal(converted, texts, eval_text, original, output, training_dir, **options)
     order on any number of processes. FSDP: docs/healing.md.
     """
     HealOptions.from_kwargs(**options)  # refused before torch is imported
-    with opening(f"convert heal {converted}", options["progress"] and int(os.environ.get("RANK", "0")) == 0):
+    first = int(os.environ.get("RANK", "0")) == 0  # the process that speaks (one of many under accelerate)
+    with opening(f"convert heal {converted}", options["progress"] and first):
         _load_api()
         from convert.healing import heal as run
         from convert.healing import healing_warnings
@@ -380,7 +381,7 @@ def heal(converted, texts, eval_text, original, output, training_dir, **options)
             training_dir=training_dir,
             **options,
         )
-    if options["progress"] and int(os.environ.get("RANK", "0")) == 0:
+    if options["progress"] and first:
         before, after = result.report["before"], result.report["after"]
         click.echo(f"wrote {_shown(result.output)}")
         click.echo(
@@ -394,7 +395,7 @@ def heal(converted, texts, eval_text, original, output, training_dir, **options)
                 f"kept the weights of step {checks['best_step']} of {result.report['steps']}, the best on "
                 f"{checks['tokens']} check tokens of --text (rate halved {checks['halvings']} times)"
             )
-    for warning in healing_warnings(result.report) if int(os.environ.get("RANK", "0")) == 0 else ():
+    for warning in healing_warnings(result.report) if first else ():
         click.echo(f"warning: {warning}", err=True)
 
 
