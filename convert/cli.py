@@ -25,6 +25,7 @@ from convert.arch.validate import check_config
 from convert.errors import ConvertError, cli_words
 from convert.io.locate import CONFIG_NAME, check_prelude, locate, read_config
 from convert.io.output import check_output, default_output
+from convert.lm_tasks import check_tasks
 from convert.options import (
     GROUPS,
     ConvertOptions,
@@ -419,7 +420,7 @@ def evaluate(dirs, original, output, **options):
     convert_ppl  perplexity over a held-out text (the opening of Austen's Emma)
     convert_mc   32 multiple-choice cloze sentences from the same chapter (acc, acc_norm)
     """
-    EvalOptions.from_kwargs(**options)  # refused before torch is imported
+    opts = EvalOptions.from_kwargs(**options)  # refused before torch is imported
     for path in (*dirs, *([original] if original is not None else [])):
         if not (path / "config.json").is_file():  # the words of convert.evaluate's check, which needs torch
             raise ConvertError(
@@ -427,6 +428,7 @@ def evaluate(dirs, original, output, **options):
             )
     if output is not None and (output.is_dir() or not output.resolve().parent.is_dir()):
         raise ConvertError(f"--output {output}: not a file in an existing directory; pass e.g. --output results.json")
+    check_tasks(opts.task_names)  # an unknown task or a missing lm_eval: one line, before the first progress line
     with opening(f"convert eval {' '.join(map(str, dirs))}", True):  # lm_eval's own bars are not every 30 s
         _load_api()
         from convert.evaluate import evaluate as run

@@ -20,31 +20,17 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from convert._version import __version__
-from convert.errors import ConvertError, EnvironmentFailure
+from convert.errors import ConvertError
 from convert.heap import release_freed_memory
 from convert.hf import load_original
 from convert.io import open_checkpoint
+from convert.lm_tasks import LOCAL_TASKS, TASKS_DIR, lm_eval_modules, task_manager  # noqa: F401 (re-exported)
 from convert.options import EVAL_TASKS, TORCH_DTYPES, EvalOptions, resolve_device
 from convert.targets import load_output
 from convert.text import model_tokenizer
 from convert.verify.report import original_named_by
 
-#: The local tasks: lm_eval task configs and their data, shipped with the package.
-TASKS_DIR = Path(__file__).resolve().parent / "eval_tasks"
-LOCAL_TASKS = ("convert_ppl", "convert_mc")
-INSTALL = "pip install 'convert[eval]'"
 DEFAULT_MAX_LENGTH = 2048  # lm_eval's, for a config that names no context length
-
-
-def _lm_eval():
-    """(lm_eval, its HFLM, its TaskManager); EnvironmentFailure, saying what to install, without it."""
-    try:  # imported here, not at the top: lm_eval is an optional dependency (the `eval` extra)
-        import lm_eval
-        from lm_eval.models.huggingface import HFLM
-        from lm_eval.tasks import TaskManager
-    except ImportError as err:
-        raise EnvironmentFailure(f"lm-evaluation-harness is not installed ({err}); {INSTALL}") from None
-    return lm_eval, HFLM, TaskManager
 
 
 def packaged_dataset(builder: str, data_files: str, sample_by: str | None = None, **_metadata):
@@ -53,23 +39,6 @@ def packaged_dataset(builder: str, data_files: str, sample_by: str | None = None
     directory. lm_eval also passes the task's metadata (version, ...), unused here."""
     options = {} if sample_by is None else {"sample_by": sample_by}
     return datasets.load_dataset(builder, data_files={"test": str(TASKS_DIR / data_files)}, **options)
-
-
-def task_manager(tasks: list[str]):
-    """lm_eval's TaskManager over the local tasks, and lm_eval's own catalogue when a task is not
-    local; ConvertError, naming the task and the local ones, for a task neither knows."""
-    _, _, TaskManager = _lm_eval()
-    if not tasks:
-        raise ConvertError(f"--tasks: no task given; pass e.g. --tasks {','.join(LOCAL_TASKS)}")
-    local = all(task in LOCAL_TASKS for task in tasks)
-    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=not local)
-    unknown = [task for task in tasks if task not in manager.all_tasks]
-    if unknown:
-        raise ConvertError(
-            f"--tasks {','.join(unknown)}: no such lm_eval task; use the local ones ({', '.join(LOCAL_TASKS)}) "
-            "or a task of `lm_eval ls tasks`"
-        )
-    return manager
 
 
 def _config(path: Path) -> dict:
@@ -162,7 +131,7 @@ def context_length(config: dict) -> int:
 def hflm(model, tokenizer, batch_size: int = 1, length: int | None = None):
     """lm_eval's HFLM over a loaded model (a causal LM: the MLA model's type is not in transformers'
     tables) and its tokenizer."""
-    _, HFLM, _ = _lm_eval()
+    _, HFLM, _ = lm_eval_modules()
     return HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size, max_length=length)
 
 
@@ -191,7 +160,7 @@ def metrics(task_results: dict) -> dict:
 
 def _run_tasks(model, tokenizer, tasks, manager, limit, batch_size, length) -> tuple[dict, dict]:
     """lm_eval's figures on one model: ({task: {metric: value}}, {task: documents evaluated})."""
-    lm_eval, _, _ = _lm_eval()
+    lm_eval, _, _ = lm_eval_modules()
     lm = hflm(model, tokenizer, batch_size, length)
     out = lm_eval.simple_evaluate(
         model=lm, tasks=list(tasks), task_manager=manager, limit=limit, log_samples=False, bootstrap_iters=1000
@@ -215,7 +184,7 @@ def evaluate(paths: list, tasks=EVAL_TASKS, *, original=None, **options) -> dict
     value}}, "samples": {task: n}}], ...}: the original first; `render_markdown` shows it.
     """
     opts = EvalOptions.from_kwargs(tasks=tasks if isinstance(tasks, str) else ",".join(tasks), **options)
-    _lm_eval()  # refuse a missing lm_eval before anything is read
+    lm_eval_modules()  # refuse a missing lm_eval before anything is read
     if not paths and original is None:
         raise ConvertError("no directory to evaluate; pass the converted directories (and --original)")
     tasks, limit, batch_size, dtype = opts.task_names, opts.limit, opts.batch_size, opts.dtype
@@ -257,7 +226,7 @@ def _models(paths: list[Path], original) -> tuple[list[tuple[Path, str]], Path |
 
 
 def _versions() -> dict:
-    lm_eval, _, _ = _lm_eval()
+    lm_eval, _, _ = lm_eval_modules()
     return {
         "convert": __version__,
         "lm_eval": lm_eval.__version__,

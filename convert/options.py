@@ -596,7 +596,7 @@ HEAL_SIZES = {
 }
 
 
-#: The local lm_eval tasks shipped in convert/eval_tasks/ (`convert.evaluate.LOCAL_TASKS`).
+#: The local lm_eval tasks shipped in convert/eval_tasks/ (`convert.lm_tasks.LOCAL_TASKS`).
 EVAL_TASKS = "convert_ppl,convert_mc"
 
 

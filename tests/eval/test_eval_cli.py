@@ -16,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("lm_eval")
 
 import convert
+import convert.progress
 from convert.cli import main
 from convert.errors import ConvertError
 from convert.evaluate import evaluate
@@ -64,8 +65,10 @@ def test_eval_prints_the_table_original_first_and_exits_0(converted, tmp_path):
 
 
 @pytest.mark.slow
-def test_an_unknown_task_exits_2_naming_it(converted):
-    """Checked once lm_eval has indexed its own catalogue too (~10 s), before any model is loaded."""
+def test_an_unknown_task_exits_2_naming_it(converted, monkeypatch):
+    """Checked once lm_eval has indexed its own catalogue too (~20 s), before any model is loaded and
+    before the command's opening line (here due at once): the refusal is the only line."""
+    monkeypatch.setattr(convert.progress, "FIRST", 0.01)
     result = CliRunner().invoke(main, ["eval", str(converted), "--tasks", "convert_ppl,no_such_task"])
     line = _one_error_line(result, 2)
     assert "--tasks no_such_task" in line and "convert_ppl, convert_mc" in line
@@ -100,5 +103,6 @@ def test_a_conversion_without_a_report_needs_original(tmp_path):
 
 def test_without_lm_eval_exits_3_saying_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError
+    monkeypatch.setattr(convert.progress, "FIRST", 0.01)  # the opening line, due at once, follows the check
     result = CliRunner().invoke(main, ["eval", str(TINY_LLAMA)])
     assert "pip install 'convert[eval]'" in _one_error_line(result, 3)
