@@ -19,6 +19,8 @@ class LayerStats:
     value_fisher: torch.Tensor | None = None  # (G·d, G·d) E[g gᵀ], g = ∂loss/∂v
     normed_key_moment: torch.Tensor | None = None  # q/k norm: (G·d, G·d) E[n nᵀ], n the normed keys
     rotation_fit: torch.Tensor | None = None  # vllm target: (H, 2, d/2, 2) (convert.targets.nope_fit)
+    output_moment: torch.Tensor | None = None  # vllm target, o_proj bias: (H·d, H·d) E[o oᵀ] of the attention output
+    output_mean: torch.Tensor | None = None  # (H·d,) E[o]
 
     def augmented(self) -> torch.Tensor:
         """Second moment of [x; 1] (D+1, D+1), for affine maps (a bias as an extra column)."""

@@ -11,7 +11,7 @@ transformers' latent-norm eps on exports written without that bias. The construc
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import DeepseekV3Config
@@ -58,7 +58,15 @@ from convert.targets.nope_fit import (
     rotary_mixture,
     sample_keys,
 )
-from convert.targets.vllm_bias import BiasCarrier, bias_carrier, biased_projections, output_error
+from convert.targets.vllm_bias import (
+    BiasCarrier,
+    bias_carrier,
+    biased_projections,
+    observers,
+    output_error,
+    output_observer,
+    output_stats,
+)
 from convert.transform import LayerWeights
 
 KV_LORA_RANK = 512
@@ -298,11 +306,6 @@ def check_vllm_exportable(config: dict, spec: AttentionSpec, source, dtype: torc
             f"sqrt(2^40/rms_norm_eps) (~1e8), which overflows float16; export with dtype bfloat16 or float32"
         )
     biased = biased_projections(spec, source)
-    if "o" in biased:
-        raise ConvertError(
-            "attention bias on o_proj: a constant on the residual stream, which vLLM's DeepSeek-V3 (no attention "
-            "biases) has no place for; use --target transformers (exact, stock transformers) or mla"
-        )
     if biased and not calibrated:
         raise ConvertError(
             f"attention biases on {', '.join(p + '_proj' for p in biased)}: vLLM's DeepSeek-V3 has no attention "
@@ -604,7 +607,7 @@ def _export_tensors(plan: _ExportPlan, choices: ExportChoices):
         weights = read_layer(source, spec, layer)
         layer_stats = stats[layer] if stats is not None else None
         u, kept = rotary_directions(weights, spec, layer_stats.moment if layer_stats is not None else None)
-        carrier = _carried_biases(weights, layer_stats, carried)
+        carrier, weights = _carried_biases(weights, layer_stats, carried)
         retained.append(kept)
         terms = position_free_stand_in(choices.stand_in, layer_stats, spec.n_heads, inv_freq, choices.span)
         fitted.append(terms is not None)
@@ -649,33 +652,45 @@ def _export_tensors(plan: _ExportPlan, choices: ExportChoices):
     }
 
 
-def _carried_biases(weights: LayerWeights, layer_stats, figures: list):
-    """The layer's `BiasCarrier` when it has q/k/v biases (else None), its figures appended to
-    `figures`: {"left_out": share, "q"/"k"/"v": the projection's relative output error}."""
+def _carried_biases(weights: LayerWeights, layer_stats, figures: list) -> tuple[BiasCarrier | None, LayerWeights]:
+    """(the layer's `BiasCarrier` for its q/k/v biases, or None without; its weights with an o_proj
+    bias carried into W^O on the attention outputs), the figures appended to `figures` when it has
+    biases: {"left_out": share, "q"/"k"/"v"/"o": the projection's relative output error,
+    "o_left_out": the o_proj carrier's share}."""
     biases = {"q": weights.q_bias, "k": weights.k_bias, "v": weights.v_bias}
-    if all(b is None for b in biases.values()):
-        return None
-    carrier = bias_carrier(layer_stats)
-    entry = {"left_out": carrier.left_out}
+    if all(b is None for b in (*biases.values(), weights.o_bias)):
+        return None, weights
+    entry, carrier = {}, None
+    if any(b is not None for b in biases.values()):
+        carrier = bias_carrier(layer_stats)
+        entry["left_out"] = carrier.left_out
     for proj, bias in biases.items():
-        if bias is None:
-            continue
-        entry[proj] = output_error(getattr(weights, proj), bias, layer_stats, carrier)
+        if bias is not None:
+            entry[proj] = output_error(getattr(weights, proj), bias, layer_stats, carrier)
+    if weights.o_bias is not None:
+        outputs = output_stats(layer_stats)
+        o_carrier = bias_carrier(outputs)
+        entry["o"] = output_error(weights.o, weights.o_bias, outputs, o_carrier)
+        entry["o_left_out"] = o_carrier.left_out
+        weights = replace(weights, o=o_carrier.carry(weights.o, weights.o_bias), o_bias=None)
     figures.append(entry)
-    return carrier
+    return carrier, weights
 
 
 def _bias_summary(figures: list[dict]) -> dict | None:
     """convert_export's `attention_biases`: None without biases, else the per-layer figures."""
     if not figures:
         return None
-    projections = [p for p in "qkv" if p in figures[0]]
-    return {
+    projections = [p for p in "qkvo" if p in figures[0]]
+    summary = {
         "carried": [p + "_proj" for p in projections],
         "where": "in the projection weights, on the calibration inputs' constant (least squares)",
-        "left_out_share": [f["left_out"] for f in figures],
+        "left_out_share": [f.get("left_out", 0.0) for f in figures],
         "output_error": {p + "_proj": [f[p] for f in figures] for p in projections},
     }
+    if "o" in projections:  # o_proj's carrier: the attention outputs' constant
+        summary["o_proj_left_out_share"] = [f["o_left_out"] for f in figures]
+    return summary
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype, scale: float | None = None, rows: int = 8192) -> torch.Tensor:
@@ -870,7 +885,9 @@ def export_tensors(source, state_dict, opts):
     if opts.calib is not None:
         ids = calibration_ids(source, opts)
         bar = progress_bar("calibrating", "layer", opts.progress)
-        observe = rotation_fit_observer(src_view, spec, config) if calibrate else None
+        rotation_fit = rotation_fit_observer(src_view, spec, config) if calibrate else None
+        outputs = output_observer() if "o" in biased_projections(spec, src_view) else None
+        observe = observers(rotation_fit, outputs)
         stats = compress.calibrate(source, config, ids, spec.n_layers, progress=bar, observe=observe)
         if needs_compression(spec, config["hidden_size"]):  # the latent is compressed: weigh it in loss units
             fisher_bar = progress_bar("fisher statistics", "layer", opts.progress)
@@ -961,6 +978,11 @@ def note(info: dict) -> str:
     )
 
 
+def _left_out(biases: dict) -> float:
+    """The largest share of a bias any layer's carrier leaves out (q/k/v's and o_proj's)."""
+    return max(biases["left_out_share"] + biases.get("o_proj_left_out_share", []))
+
+
 def _bias_note(info: dict) -> str:
     """The note's sentence on carried attention biases ('' without)."""
     biases = info.get("attention_biases")
@@ -970,6 +992,6 @@ def _bias_note(info: dict) -> str:
     figures = ", ".join(f"{proj} {100 * err:.2g}%" for proj, err in worst.items())
     return (
         f" The attention biases ({', '.join(biases['carried'])}), which vLLM's DeepSeek-V3 does not have, are carried "
-        f"in the weights on the calibration inputs: at most {100 * max(biases['left_out_share']):.2g}% of a bias left "
+        f"in the weights on the calibration inputs: at most {100 * _left_out(biases):.2g}% of a bias left "
         f"out, each projection's output off by at most {figures} (mean square)."
     )

@@ -14,13 +14,17 @@ out is the same share of every bias of the layer, E[(1 − aᵀx)²] = 1 − μ�
   source did not rotate it);
 - a value bias: into W^V. The source adds Σα·b = b after attention (a constant W^O b on the
   residual); the export reproduces it through the latent, each value's error averaged by attention.
-An `o_proj` bias (a constant on the residual, with no place in the export) is refused.
+- an `o_proj` bias: a constant on the residual, which the export has no bias to hold. Carried the
+  same way into W^O, on the attention's outputs (their moments gathered by `output_observer`): the
+  bias rides on what the attention outputs hold nearly constant (the values of attention sinks,
+  the value bias's own Σα·b_v = b_v). What that leaves out is reported like the others.
 """
 
 from dataclasses import dataclass
 
 import torch
 
+from convert.compress.calibrate import LayerStats
 from convert.compress.weights import ridge
 
 
@@ -61,3 +65,42 @@ def biased_projections(spec, source) -> list[str]:
     return sorted(
         {proj for layer in range(spec.n_layers) for proj in "qkvo" if spec.tensor(layer, proj, "bias") in source}
     )
+
+
+def output_observer():
+    """A `convert.compress.calibrate` observer that stores the moments of each layer's attention
+    output, the input of `o_proj` (B·L, H·d), in its stats' `output_moment` and `output_mean`:
+    what an `o_proj` bias is carried on. Runs the layer's attention once more on its normed inputs."""
+
+    def observe(layer: int, x: torch.Tensor, decoder, inputs, layer_stats) -> None:
+        _, rotary, mask = inputs
+        seen = []
+        hook = decoder.self_attn.o_proj.register_forward_pre_hook(lambda _module, args: seen.append(args[0]))
+        try:
+            decoder.self_attn(hidden_states=x, position_embeddings=rotary, attention_mask=mask)
+        finally:
+            hook.remove()
+        flat = seen[0].reshape(-1, seen[0].shape[-1]).double().cpu()  # (B·L, H·d)
+        layer_stats.output_moment, layer_stats.output_mean = flat.T @ flat / flat.shape[0], flat.mean(0)
+
+    return observe
+
+
+def observers(*observe):
+    """One `calibrate` observer that calls each of `observe` that is not None (None if none is)."""
+    given = [fn for fn in observe if fn is not None]
+    if not given:
+        return None
+
+    def each(*args) -> None:
+        for fn in given:
+            fn(*args)
+
+    return each
+
+
+def output_stats(layer_stats) -> LayerStats:
+    """The attention outputs' moments (`output_observer`) as a `LayerStats`, for `bias_carrier`."""
+    if layer_stats is None or layer_stats.output_moment is None:
+        raise ValueError("an o_proj bias needs the attention outputs' moments (output_observer) to be carried")
+    return LayerStats(layer_stats.output_moment, layer_stats.output_mean)

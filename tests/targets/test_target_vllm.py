@@ -130,7 +130,7 @@ def test_general_key_heads_are_lossy_and_bounded(n_kv_heads):
         (lambda: tiny_llama(2), None, {}, "calib"),
         (lambda: tiny_llama(1), None, {"dtype": torch.float16}, "float16"),
         (lambda: tiny_llama(1, head_dim=32), None, {}, "head_dim 32"),
-        (lambda: tiny_llama(1, attention_bias=True), None, {}, "attention biases"),
+        (lambda: tiny_llama(1, attention_bias=True), None, {}, "attention biases on k_proj, o_proj, q_proj, v_proj"),
         (
             lambda: tiny_llama(1, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
             None,
@@ -378,16 +378,23 @@ LLAMA3_ROPE = {
 
 def calibrated_stats(model, tmp_path, tokens: int = 96) -> list:
     """`calibrate` with the vllm target's rotation-fit observer, on random ids, as the API runs it."""
+    return calibrate_with(model, tmp_path, tokens)
+
+
+def calibrate_with(model, tmp_path, tokens: int, *more) -> list:
+    """`calibrated_stats` with the observers `more` beside the rotation fit."""
     from convert.compress.calibrate import calibrate
     from convert.io import open_checkpoint
     from convert.targets.vllm import resolve_vllm_spec, rotation_fit_observer
+    from convert.targets.vllm_bias import observers
 
     model.save_pretrained(tmp_path / "src")
     config = json.loads((tmp_path / "src" / "config.json").read_text())
     ids = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(7))
     with open_checkpoint(tmp_path / "src") as checkpoint:
         _, source, spec = resolve_vllm_spec(model.state_dict(), config)
-        return calibrate(checkpoint, config, ids, LAYERS, observe=rotation_fit_observer(source, spec, config))
+        observe = observers(rotation_fit_observer(source, spec, config), *more)
+        return calibrate(checkpoint, config, ids, LAYERS, observe=observe)
 
 
 def test_llama3_rope_is_served_as_deepseek_yarn_and_fitted(tmp_path):

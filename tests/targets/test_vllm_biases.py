@@ -1,5 +1,6 @@
 """Qwen2 / Qwen2.5 to the `vllm` target: q/k/v biases carried into the weights on the calibration
-inputs (`convert.targets.vllm_bias`), an `o_proj` bias refused, the figures in `convert_export`.
+inputs (`convert.targets.vllm_bias`), an `o_proj` bias (Llama's `attention_bias`) on the attention
+outputs, uncalibrated biases refused, the figures in `convert_export`.
 
 The tiny models' token embeddings share one direction, as real hidden states carry nearly constant
 directions (what a bias can ride on); reference: the source's own transformers model, against
@@ -10,13 +11,13 @@ import json
 import pytest
 import torch
 from test_target_vllm import HIDDEN, LAYERS, VOCAB, calibrated_stats, exported_model, tiny_config
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import convert
 from convert.compress.calibrate import LayerStats
 from convert.errors import ConvertError
 from convert.targets.vllm import ExportChoices, to_vllm_deepseek
-from convert.targets.vllm_bias import bias_carrier
+from convert.targets.vllm_bias import bias_carrier, output_observer
 
 from conftest import PROSE
 
@@ -25,9 +26,17 @@ CALIB_TOKENS = 512  # more than the hidden size: the carrier is not fitted to fe
 
 def tiny_qwen2(n_kv_heads: int = 2, head_dim: int = 64, biased: str = "qkv", seed: int = 0) -> Qwen2ForCausalLM:
     """A Qwen2 with random biases on the projections named in `biased` (zero elsewhere)."""
+    return _biased(Qwen2ForCausalLM, tiny_config(Qwen2Config, n_kv_heads, head_dim), biased, seed)
+
+
+def tiny_biased_llama(n_kv_heads: int = 2, biased: str = "qkvo", seed: int = 0) -> LlamaForCausalLM:
+    """A Llama with `attention_bias` (q, k, v and o_proj biases), random on those in `biased`."""
+    return _biased(LlamaForCausalLM, tiny_config(LlamaConfig, n_kv_heads, attention_bias=True), biased, seed)
+
+
+def _biased(model_class, config, biased: str, seed: int):
     torch.manual_seed(seed)
-    config = tiny_config(Qwen2Config, n_kv_heads, head_dim)
-    model = Qwen2ForCausalLM(config).eval()
+    model = model_class(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("_proj.bias"):
@@ -37,13 +46,13 @@ def tiny_qwen2(n_kv_heads: int = 2, head_dim: int = 64, biased: str = "qkv", see
     return model
 
 
-def without_biases(model: Qwen2ForCausalLM) -> Qwen2ForCausalLM:
-    """The model with its attention biases zeroed (what dropping them would export)."""
-    twin = Qwen2ForCausalLM(model.config).eval()
+def without_biases(model, projections: str = "qkvo"):
+    """The model with its attention biases on `projections` zeroed (what dropping them would export)."""
+    twin = type(model)(model.config).eval()
     twin.load_state_dict(model.state_dict())
     with torch.no_grad():
         for name, param in twin.named_parameters():
-            if name.endswith("_proj.bias"):
+            if name.endswith("_proj.bias") and name.split(".")[-2][0] in projections:
                 param.zero_()
     return twin
 
@@ -108,15 +117,52 @@ def test_carrier_is_exact_on_a_constant_input_and_reports_what_it_leaves_out():
             assert carrier.left_out > 0.9  # zero-mean inputs: nothing to ride on
 
 
-def test_o_proj_bias_and_uncalibrated_biases_are_refused():
-    model = tiny_qwen2(1, 64, "qkv")
+@pytest.mark.parametrize("make", [lambda: tiny_qwen2(1, 64, "qkv"), lambda: tiny_biased_llama(1, "o")])
+def test_uncalibrated_biases_are_refused(make):
+    """Even one key/value head of d = 64 (otherwise exact): the biases need the calibration inputs."""
+    model = make()
     with pytest.raises(ConvertError, match="give calib"):
         to_vllm_deepseek(model.state_dict(), model.config, ExportChoices())
-    state = dict(model.state_dict())
-    state["model.layers.0.self_attn.o_proj.bias"] = torch.ones(HIDDEN)
+
+
+def test_an_o_proj_bias_needs_the_attention_outputs_moments():
+    """Statistics without `output_observer`'s moments: refused, not dropped."""
+    model = tiny_biased_llama(2)
     stats = [LayerStats(torch.eye(HIDDEN, dtype=torch.float64), torch.zeros(HIDDEN, dtype=torch.float64))] * LAYERS
-    with pytest.raises(ConvertError, match="o_proj"):
-        to_vllm_deepseek(state, model.config, ExportChoices(stats=stats))
+    with pytest.raises(ValueError, match="o_proj bias"):
+        to_vllm_deepseek(model.state_dict(), model.config, ExportChoices(stats=stats))
+
+
+def output_calibrated_stats(model, tmp_path) -> list:
+    """`calibrated_stats` with the attention outputs' moments too, as the API gathers them."""
+    from test_target_vllm import calibrate_with
+
+    return calibrate_with(model, tmp_path, CALIB_TOKENS, output_observer())
+
+
+@pytest.mark.parametrize("n_kv_heads, biased", [(1, "qkvo"), (2, "qkvo"), (2, "o")])
+def test_an_o_proj_bias_is_carried_on_the_attention_outputs(tmp_path, n_kv_heads, biased):
+    """Llama's `attention_bias` puts a bias on o_proj too: a constant on the residual, which the
+    export has no bias for. Carried into W^O on the attention outputs' moments (with a value bias,
+    Σα·b_v = b_v is a constant there; without one, the inputs' constant direction is), it keeps at most
+    half of what dropping it adds to the export's own loss (that of the twin without it), and its
+    figures are in `convert_export`."""
+    model = tiny_biased_llama(n_kv_heads, biased)
+    stats = output_calibrated_stats(model, tmp_path / "biased")
+    deepseek, tensors, _, export = exported_model(model, stats)
+    assert tensors["model.layers.0.self_attn.o_proj.bias"].abs().max() == 0  # vLLM reads none
+    carried = logits_error(model, deepseek)
+    twin = without_biases(model, "o")
+    dropped = logits_error(model, exported_model(twin, output_calibrated_stats(twin, tmp_path / "twin"))[0])
+    twin_error = logits_error(twin, exported_model(twin, output_calibrated_stats(twin, tmp_path / "own"))[0])
+    figures = f"carried {carried:.5f}, o_proj bias dropped {dropped:.5f}, the twin's own {twin_error:.5f}"
+    assert carried - twin_error <= 0.5 * (dropped - twin_error), figures
+
+    biases = export["attention_biases"]
+    assert biases["carried"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert len(biases["o_proj_left_out_share"]) == LAYERS
+    assert all(0 <= s < 0.1 for s in biases["o_proj_left_out_share"]), biases["o_proj_left_out_share"]
+    assert all(0 <= e < 0.1 for e in biases["output_error"]["o_proj"]), biases["output_error"]["o_proj"]
 
 
 def test_the_api_judges_a_qwen2_export_and_reports_its_biases(tmp_path):

@@ -37,6 +37,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
         (192, 6, 3, 64, LLAMA3 | {"original_max_position_embeddings": 64, "rope_theta": 10000.0}, False, "llama"),
         (192, 6, 3, 64, None, True, "llama"),  # the export healed through its transformers twin (convert.heal)
         (256, 8, 2, 128, None, False, "qwen2"),  # q/k/v biases carried in the weights (convert.targets.vllm_bias)
+        (192, 6, 3, 64, None, False, "llama_bias"),  # Llama's attention_bias: o_proj's too, on the attention outputs
     ],
 )
 def test_vllm_serves_the_export_as_transformers_computes_it(
@@ -57,6 +58,7 @@ def test_vllm_serves_the_export_as_transformers_computes_it(
         tie_word_embeddings=True,
         max_position_embeddings=512,
         **({"rope_parameters": rope} if rope else {}),
+        **({"attention_bias": True} if family == "llama_bias" else {}),
     )
     source = model_class(config).eval()
     with torch.no_grad():  # random biases (transformers starts them at zero)
@@ -75,7 +77,9 @@ def test_vllm_serves_the_export_as_transformers_computes_it(
         assert result.report["after"]["kl_mean"] != result.report["before"]["kl_mean"]  # the weights moved
         out = result.output
     assert exported["latent_compressed"] == (head_dim == 128 and family == "llama")
-    assert (exported["attention_biases"] is not None) == (family == "qwen2")
+    assert (exported["attention_biases"] is not None) == (family != "llama")
+    if family == "llama_bias":
+        assert exported["attention_biases"]["carried"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (60, 33)]
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"prompts": prompts, "max_model_len": 256, "greedy_new_tokens": NEW}))
