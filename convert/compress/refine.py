@@ -93,6 +93,9 @@ def refine_attention(attention: torch.nn.Module, kwargs: dict, target: torch.Ten
     batch = target.shape[0]
     with torch.no_grad():
         before = float(_error(attention, kwargs, target))
+    if how.steps <= 0:
+        attention.to(home)
+        return Refined(before, before)
     start = {name: t.detach().clone() for name, t in attention.state_dict().items()}
     skips = tuple(getattr(attention, "untrained_parameters", ()))  # name suffixes left as they are
     params = [p for name, p in attention.named_parameters() if p.is_floating_point() and not name.endswith(skips)]

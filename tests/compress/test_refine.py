@@ -55,6 +55,16 @@ def test_a_refinement_that_makes_things_worse_is_undone():
     assert torch.equal(module.proj.weight, start)
 
 
+def test_no_steps_leaves_the_layer_as_it_is():
+    """steps 0 (`--refine-steps 0`): the error measured, nothing trained (the schedule of zero steps
+    divided by zero)."""
+    kwargs, target = _fit_problem()
+    module = _Linear(seed=2)
+    start = module.proj.weight.clone()
+    got = refine_attention(module, kwargs, target, Refinement(steps=0))
+    assert 0 < got.before == got.after and torch.equal(module.proj.weight, start)
+
+
 def _logit_error(state, model, ids) -> float:
     with torch.no_grad():
         want = model(ids).logits

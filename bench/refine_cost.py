@@ -1,0 +1,141 @@
+"""What attention-output refinement (`--refine-steps`) costs per layer, at a real model's shape.
+
+One compressed layer's `MLAAttention` (random weights: the cost does not depend on them) fitted by
+`convert.compress.refine.refine_attention` to a target on `--windows` calibration windows of
+`--window` tokens, as the sequential calibration hands it over: seconds per Adam step (the median
+of `--repeat` runs of 1 + `--steps` steps less that of runs of one, side by side) and the peak bytes
+a one-step fit allocates (the error evaluated on every window before and after, then the step),
+for each layout. The per-layer cost at the device's default
+steps (`REFINE_STEPS`: 50 on a CPU, 500 with CUDA) and for the whole model follow.
+
+    python bench/refine_cost.py --shape llama8b --ratio 0.25 [--device cuda]
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+from convert.compress.refine import REFINE_STEPS, Refinement, refine_attention  # noqa: E402
+from convert.mla.attention import MLAAttention  # noqa: E402
+
+#: Attention shapes (hidden size D, query heads H, key/value heads G, head dim d, layers).
+SHAPES = {
+    "smollm2": (576, 9, 3, 64, 30),
+    "llama8b": (4096, 32, 8, 128, 32),
+}
+
+
+def layer(shape: str, layout: str, ratio: float) -> MLAAttention:
+    """One layer's MLA attention at `shape`, its latents `ratio` of the GQA cache (split evenly)."""
+    hidden, n_heads, n_kv_heads, head_dim, _ = SHAPES[shape]
+    rank = max(2, int(ratio * n_kv_heads * head_dim)) // 2 * 2  # each of K and V: ratio × G·d, pairs for RoPE
+    mla = {
+        "layout": layout,
+        "latent": "split",
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "softmax_scale": head_dim**-0.5,
+        "rope": {"rope_type": "default"},
+        "qk_norm": None,
+    }
+    freq = torch.arange(rank // 2) % (head_dim // 2)  # each key-latent pair's source frequency (absorbed)
+    entry = {"rank_k": rank, "rank_v": rank, "key_freq_index": freq.tolist()}
+    return MLAAttention(hidden, mla, entry, 0)
+
+
+def call(shape: str, windows: int, window: int, generator: torch.Generator) -> tuple[dict, torch.Tensor]:
+    """(the attention's keyword arguments as the sequential calibration captures them, a target)."""
+    hidden, _, _, head_dim, _ = SHAPES[shape]
+    x = torch.randn(windows, window, hidden, generator=generator)  # (B, L, D)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim)  # (d/2,)
+    angles = torch.arange(window)[:, None] * inv_freq[None]  # (L, d/2)
+    angles = torch.cat([angles, angles], -1).expand(windows, -1, -1)  # (B, L, d)
+    positions = torch.arange(window).expand(windows, -1)  # (B, L)
+    kwargs = {
+        "hidden_states": x,
+        "position_embeddings": (angles.cos(), angles.sin()),
+        "attention_mask": None,
+        "position_ids": positions,
+    }
+    return kwargs, torch.randn(windows, window, hidden, generator=generator)
+
+
+def _run(args, layout: str, device: torch.device, steps: int, kwargs, target) -> float:
+    """Seconds of one `refine_attention` of `steps` steps on a fresh layer."""
+    attention = layer(args.shape, layout, args.ratio)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    refine_attention(attention, kwargs, target, Refinement(steps=steps, device=str(device)))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure(args, layout: str, device: torch.device) -> dict:
+    """A layout's row: seconds per step (runs of 1 + `args.steps` steps less runs of one, side by
+    side: the error's evaluations before and after are not steps), and a profiled one-step run's peak."""
+    generator = torch.Generator().manual_seed(0)
+    kwargs, target = call(args.shape, args.windows, args.window, generator)
+    _run(args, layout, device, 1, kwargs, target)  # warm-up: allocator, kernels
+    fixed, timed = [], []
+    for _ in range(args.repeat):
+        fixed.append(_run(args, layout, device, 1, kwargs, target))
+        timed.append(_run(args, layout, device, 1 + args.steps, kwargs, target))
+    step = (_common.median(timed) - _common.median(fixed)) / args.steps
+    attention = layer(args.shape, layout, args.ratio)
+    how = Refinement(steps=1, device=str(device))
+    _, peak = _common.peak_allocated(refine_attention, attention, kwargs, target, how, device=device.type)
+    layers = SHAPES[args.shape][-1]
+    default = REFINE_STEPS[device.type]
+    return {
+        "layout": layout,
+        "parameters": sum(p.numel() for p in attention.parameters()),
+        "step_s": step,
+        "run_s": timed,
+        "one_step_run_s": fixed,
+        "peak_bytes": peak,
+        "default_steps": default,
+        "layer_s_at_default": step * (default - 1) + _common.median(fixed),
+        "model_s_at_default": (step * (default - 1) + _common.median(fixed)) * layers,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
+    p.add_argument("--ratio", type=float, default=0.25, help="share of the GQA cache the latents keep")
+    p.add_argument("--layouts", default="factored,absorbed")
+    p.add_argument("--windows", type=int, default=4, help="calibration windows held (the default 4,096 tokens)")
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=5, help="Adam steps timed per run")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (CUDA when there is one)")
+    _common.add_common_args(p, "refine_cost", repeat=3)
+    args = p.parse_args(argv)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    quiet = _common.wait_quiet(args.max_load, args.wait, args.max_busy)
+    result = _common.header("refine_cost", device.type, quiet)
+    result |= {"shape": args.shape, "dims": SHAPES[args.shape], "ratio": args.ratio, "windows": args.windows}
+    result |= {"window": args.window, "steps_timed": args.steps, "rows": []}
+    for layout in args.layouts.split(","):
+        row = measure(args, layout, device)
+        result["rows"].append(row)
+        print(
+            f"{args.shape} {layout:8s} {args.ratio:.0%} cache: {row['step_s']:.3f} s/step, peak "
+            f"{row['peak_bytes'] / 2**30:.2f} GiB; {row['default_steps']} steps = {row['layer_s_at_default']:.0f} s "
+            f"per layer, {row['model_s_at_default'] / 60:.1f} min for {SHAPES[args.shape][-1]} layers",
+            flush=True,
+        )
+    _common.write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
