@@ -18,22 +18,33 @@ INSTALL = "pip install 'convert[eval]'"
 
 
 def lm_eval_modules():
-    """(lm_eval, its HFLM, its TaskManager); EnvironmentFailure, saying what to install, without it."""
+    """(lm_eval, its HFLM, its TaskManager); EnvironmentFailure, saying what to install, without it.
+    HFLM imports torch and transformers."""
     try:  # imported here, not at the top: lm_eval is an optional dependency (the `eval` extra)
         import lm_eval
         from lm_eval.models.huggingface import HFLM
+    except ImportError as err:
+        raise _missing(err) from None
+    return lm_eval, HFLM, _task_manager_class()
+
+
+def _task_manager_class():
+    """lm_eval's TaskManager, without the model classes (no torch)."""
+    try:
         from lm_eval.tasks import TaskManager
     except ImportError as err:
-        raise EnvironmentFailure(f"lm-evaluation-harness is not installed ({err}); {INSTALL}") from None
-    return lm_eval, HFLM, TaskManager
+        raise _missing(err) from None
+    return TaskManager
+
+
+def _missing(err: ImportError) -> EnvironmentFailure:
+    return EnvironmentFailure(f"lm-evaluation-harness is not installed ({err}); {INSTALL}")
 
 
 def check_tasks(tasks: list[str]) -> None:
     """Refuse what `task_manager` would, in a second: no task, lm_eval missing, or (only then
     indexing lm_eval's catalogue, ~20 s) a task that is not local and lm_eval does not have."""
-    if not tasks:
-        raise ConvertError(f"--tasks: no task given; pass e.g. --tasks {','.join(LOCAL_TASKS)}")
-    if all(task in LOCAL_TASKS for task in tasks):
+    if tasks and all(task in LOCAL_TASKS for task in tasks):
         if importlib.util.find_spec("lm_eval") is None:
             raise EnvironmentFailure(f"lm-evaluation-harness is not installed; {INSTALL}")
         return
@@ -51,7 +62,7 @@ def task_manager(tasks: list[str]):
 
 @lru_cache(maxsize=4)
 def _task_manager(tasks: tuple[str, ...]):
-    _, _, TaskManager = lm_eval_modules()
+    TaskManager = _task_manager_class()
     local = all(task in LOCAL_TASKS for task in tasks)
     manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=not local)
     unknown = [task for task in tasks if task not in manager.all_tasks]

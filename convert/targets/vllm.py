@@ -872,7 +872,8 @@ def export_tensors(source, state_dict, opts):
     state_dict: the source's tensors by name (read lazily from a checkpoint)."""
     config, src_view, spec = resolve_vllm_spec(state_dict, source.config or {})
     dtype = src_view.dtype(spec.tensor(0, "q"))
-    calibrate = needs_calibration(spec, config, bool(biased_projections(spec, src_view)))
+    biased = biased_projections(spec, src_view)
+    calibrate = needs_calibration(spec, config, bool(biased))
     check_vllm_exportable(config, spec, src_view, dtype, opts.calib is not None or not calibrate)
     lossy = calibrate or needs_compression(spec, config["hidden_size"])
     if lossy and opts.verify and (opts.text is None or opts.max_ppl_ratio is None):
@@ -886,7 +887,7 @@ def export_tensors(source, state_dict, opts):
         ids = calibration_ids(source, opts)
         bar = progress_bar("calibrating", "layer", opts.progress)
         rotation_fit = rotation_fit_observer(src_view, spec, config) if calibrate else None
-        outputs = output_observer() if "o" in biased_projections(spec, src_view) else None
+        outputs = output_observer() if "o" in biased else None
         observe = observers(rotation_fit, outputs)
         stats = compress.calibrate(source, config, ids, spec.n_layers, progress=bar, observe=observe)
         if needs_compression(spec, config["hidden_size"]):  # the latent is compressed: weigh it in loss units

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from test_target_vllm import HIDDEN, LAYERS, VOCAB, calibrated_stats, exported_model, tiny_config
+from test_target_vllm import HIDDEN, LAYERS, VOCAB, calibrate_with, calibrated_stats, exported_model, tiny_config
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import convert
@@ -135,8 +135,6 @@ def test_an_o_proj_bias_needs_the_attention_outputs_moments():
 
 def output_calibrated_stats(model, tmp_path) -> list:
     """`calibrated_stats` with the attention outputs' moments too, as the API gathers them."""
-    from test_target_vllm import calibrate_with
-
     return calibrate_with(model, tmp_path, CALIB_TOKENS, output_observer())
 
 
