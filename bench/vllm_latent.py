@@ -32,15 +32,10 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCa
 from convert.compress.calibrate import calibrate, fisher_calibrate_streamed
 from convert.compress.refine import Refinement
 from convert.io import open_checkpoint
-from convert.targets.vllm import (
-    ExportChoices,
-    SequentialLatents,
-    latent_content_rank,
-    match_vllm_norms,
-    resolve_vllm_spec,
-    rotation_fit_observer,
-    to_vllm_deepseek,
-)
+from convert.targets.vllm import ExportChoices, match_vllm_norms, to_vllm_deepseek
+from convert.targets.vllm.calibration import SequentialLatents, rotation_fit_observer
+from convert.targets.vllm.export import resolve_vllm_spec
+from convert.targets.vllm.geometry import latent_content_rank
 from convert.text import text_token_ids
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

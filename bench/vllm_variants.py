@@ -1,6 +1,6 @@
 """Variants of the vllm target's position-free (NoPE) terms on SmolLM2, transformers DeepseekV3
 only (no vLLM): fit (the default: the least-squares stand-in for the dropped rotations on key
-samples drawn from the attention probabilities, convert.targets.nope_fit; 32 keys per query,
+samples drawn from the attention probabilities, convert.targets.vllm.nope_fit; 32 keys per query,
 the default, and 16), nope (unrotated), drop, expected (E[cos] over a span).
 
 Calibrates on Pride and Prejudice (4096 tokens), measures perplexity ratio against the
@@ -21,14 +21,10 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCa
 
 from convert.compress.calibrate import calibrate
 from convert.io import open_checkpoint
-from convert.targets.nope_fit import SAMPLES
-from convert.targets.vllm import (
-    ExportChoices,
-    match_vllm_norms,
-    resolve_vllm_spec,
-    rotation_fit_observer,
-    to_vllm_deepseek,
-)
+from convert.targets.vllm import ExportChoices, match_vllm_norms, to_vllm_deepseek
+from convert.targets.vllm.calibration import rotation_fit_observer
+from convert.targets.vllm.export import resolve_vllm_spec
+from convert.targets.vllm.nope_fit import SAMPLES
 from convert.text import text_token_ids
 
 torch.set_num_threads(2)

@@ -36,9 +36,9 @@ _HEAVY = {
     "convert_state_dict": "convert.api",
     "gqa2mla": "convert.api",
     "to_mla": "convert.api",
-    "MLAConfig": "convert.hf",
-    "MLAForCausalLM": "convert.hf",
-    "register": "convert.hf",
+    "MLAConfig": "convert.mla.causal_lm",
+    "MLAForCausalLM": "convert.mla.causal_lm",
+    "register": "convert.mla.causal_lm",
 }
 
 

@@ -26,7 +26,7 @@ from convert.hf import load_original
 from convert.io import open_checkpoint
 from convert.lm_tasks import LOCAL_TASKS, TASKS_DIR, lm_eval_modules, task_manager  # noqa: F401 (re-exported)
 from convert.options import EVAL_TASKS, TORCH_DTYPES, EvalOptions, resolve_device
-from convert.targets import load_output
+from convert.targets import load_output, written_by
 from convert.text import model_tokenizer
 from convert.verify.report import original_named_by
 
@@ -52,14 +52,9 @@ def _config(path: Path) -> dict:
 
 
 def model_format(config: dict) -> str:
-    """What wrote a directory: `mla` (the native format), the export target (`transformers`,
-    `vllm`), or `original` (a transformers checkpoint, not one of convert's outputs)."""
-    if "mla" in config:
-        return "mla"
-    export = config.get("convert_export")
-    if isinstance(export, dict):
-        return export.get("target", "transformers")
-    return "original"
+    """What wrote a directory: the target (`mla`, `transformers`, `vllm`; `convert.targets.written_by`),
+    or `original` (a transformers checkpoint, not one of convert's outputs)."""
+    return written_by(config) or "original"
 
 
 def original_of(converted: list[Path], given=None) -> Path | None:

@@ -31,6 +31,11 @@ def progress(iterable, desc: str, unit: str, enabled: bool, total: int | None = 
     return LogProgress(iterable, desc, unit, total)
 
 
+def progress_bar(desc: str, unit: str, enabled: bool):
+    """Progress over an iterable: a bar on a terminal, log lines otherwise, nothing when quiet."""
+    return lambda items: progress(items, desc, unit, enabled)
+
+
 @contextmanager
 def phase(desc: str, enabled: bool, end: bool = True):
     """Work that is not a loop (loading a model, an end-to-end check). Off a terminal: "desc ..." once

@@ -37,3 +37,14 @@ def model_tokenizer(model_root: Path):
         return None
 
     return load_tokenizer(model_root)
+
+
+def calibration_ids(source, opts) -> torch.Tensor:
+    """The calibration token ids (1, N ≤ --calib-tokens): given, or --calib tokenized
+    (`opts`: a `ConvertOptions`; `source`: the checkpoint, whose tokenizer reads it)."""
+    ids = opts.calib
+    if not isinstance(ids, torch.Tensor):
+        root = getattr(source, "root", Path(opts.calib).parent)
+        vocab = (source.config or {})["vocab_size"]
+        ids = text_token_ids(Path(opts.calib), root, vocab, opts.calib_tokens, what="--calib")
+    return ids[:, : opts.calib_tokens]

@@ -18,7 +18,7 @@ class LayerStats:
     key_fisher: torch.Tensor | None = None  # (G·d, G·d) E[g gᵀ], g = ∂loss/∂k (q/k norm: ∂loss/∂n) (fisher)
     value_fisher: torch.Tensor | None = None  # (G·d, G·d) E[g gᵀ], g = ∂loss/∂v
     normed_key_moment: torch.Tensor | None = None  # q/k norm: (G·d, G·d) E[n nᵀ], n the normed keys
-    rotation_fit: torch.Tensor | None = None  # vllm target: (H, 2, d/2, 2) (convert.targets.nope_fit)
+    rotation_fit: torch.Tensor | None = None  # vllm target: (H, 2, d/2, 2) (convert.targets.vllm.nope_fit)
     output_moment: torch.Tensor | None = None  # vllm target, o_proj bias: (H·d, H·d) E[o oᵀ] of the attention output
     output_mean: torch.Tensor | None = None  # (H·d,) E[o]
 

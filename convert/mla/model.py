@@ -13,10 +13,11 @@ import torch
 
 from convert.arch import ARCHS
 from convert.errors import ConvertError
-from convert.hf import MLAForCausalLM, allocate, fill_strict, load_strict
-from convert.hf import swap_attention as swap_attention  # re-exported: it lives beside MLAForCausalLM, which uses it
+from convert.hf import allocate, fill_strict, load_strict
 from convert.io import open_checkpoint
 from convert.io.reader import dtype_itemsize
+from convert.mla.causal_lm import MLAForCausalLM
+from convert.mla.causal_lm import swap_attention as swap_attention  # re-exported: it lives beside MLAForCausalLM
 from convert.mla.schema import check_converted
 from convert.options import TORCH_DTYPES, as_path
 

@@ -3,7 +3,7 @@ against this version's format, the source fields beside it, and the tensors pres
 
 `check_converted(path)` runs them in order: strict JSON and well-typed source fields, the section's
 own fields and `format_version`, the section against the source fields, then against the tensors
-(`convert.plan.output_shapes`). Each refusal is a `ConvertError` (exit 2): one line naming the file,
+(`convert.mla.shapes.output_shapes`). Each refusal is a `ConvertError` (exit 2): one line naming the file,
 the field or tensor, and the fix (docs/design.md, "Output format").
 """
 
@@ -19,8 +19,8 @@ from convert.hf import meta_state_dict
 from convert.io.locate import CONFIG_NAME, read_json
 from convert.io.reader import Checkpoint, open_checkpoint
 from convert.mla.format import FORMAT_VERSION, MLA_MODEL_TYPE
+from convert.mla.shapes import output_shapes
 from convert.options import LATENTS, LAYOUTS
-from convert.plan import output_shapes
 
 RECONVERT = "re-convert with `convert gqa2mla`"
 
@@ -284,7 +284,7 @@ def _source_values(config: dict) -> list[tuple[str, str, int]]:
 
 
 def _spec(mla: dict, arch: ArchSpec) -> AttentionSpec:
-    """The attention spec the section describes (for `convert.plan.output_shapes`)."""
+    """The attention spec the section describes (for `convert.mla.shapes.output_shapes`)."""
     return AttentionSpec(
         arch=arch,
         n_layers=mla["n_layers"],

@@ -1,10 +1,6 @@
-"""Deployment targets: what `--target` writes, each behind one interface (docs/design.md,
-"Deployment targets"). `TARGETS` is the one table: a target's name, the options it takes and the
-module that implements it: `check(spec, opts)` refuses what it cannot express, `build(source,
-opts)` streams its tensors and config (`Build`), `model(...)` builds it in memory (`to_mla`),
-`load(path, device, dtype)` opens its output in the runtime it was made for, `report(...)` adds its
-section to the verification report, and `FOREIGN` says what other runtimes make of its output.
-`convert.api` picks a target here; verification and healing open outputs with `load_output`."""
+"""Deployment targets: what `--target` writes. `TARGETS` is the one table (name, options, module) and
+the only place that says which target wrote an output (`written_by`); each module implements `Target`
+(an export's also `ExportTarget`). docs/design.md, "Deployment targets"."""
 
 from __future__ import annotations
 
@@ -13,6 +9,7 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from convert.errors import ConvertError
 
@@ -26,6 +23,7 @@ class TargetEntry:
     module: str
     compresses: bool  # takes --layout, --latent, --rank, --kv-cache-ratio, --method, --allocation
     calibrates: bool  # takes --calib, --max-ppl-ratio, --calibration
+    export: bool  # writes another runtime's format, recorded in config.json's `convert_export`
 
     def implementation(self):
         """The module implementing the target's interface (imported on first use: it needs torch)."""
@@ -33,9 +31,11 @@ class TargetEntry:
 
 
 TARGETS = {
-    "mla": TargetEntry("mla", "convert.targets.mla", compresses=True, calibrates=True),
-    "transformers": TargetEntry("transformers", "convert.targets.transformers", compresses=False, calibrates=False),
-    "vllm": TargetEntry("vllm", "convert.targets.vllm", compresses=False, calibrates=True),
+    "mla": TargetEntry("mla", "convert.targets.mla", compresses=True, calibrates=True, export=False),
+    "transformers": TargetEntry(
+        "transformers", "convert.targets.transformers", compresses=False, calibrates=False, export=True
+    ),
+    "vllm": TargetEntry("vllm", "convert.targets.vllm", compresses=False, calibrates=True, export=True),
 }
 
 
@@ -80,15 +80,53 @@ class Build:
     plan: object = None
 
 
-def target(name: str):
+@runtime_checkable
+class Target(Protocol):
+    """What a target's module provides (`TARGETS[name].implementation()`)."""
+
+    NAME: str
+    FOREIGN: str  # what other runtimes make of its output
+
+    def check(self, spec, opts) -> None:
+        """Refuse (ConvertError) what the target cannot express for this attention spec."""
+
+    def build(self, source, opts) -> Build:
+        """Stream the output's tensors and config from a checkpoint, every refusal first."""
+
+    def model(self, state: dict, config: dict, opts, dtype, device):
+        """The output built in memory, as its runtime computes it (`to_mla`)."""
+
+    def load(self, path, device, dtype):
+        """Open a written output in the runtime it was made for."""
+
+
+@runtime_checkable
+class ExportTarget(Target, Protocol):
+    """A target that writes another runtime's format (`TargetEntry.export`)."""
+
+    def report(self, export: dict, e2e: dict | None, ckpt_dtype) -> dict | None:
+        """The verification report's section on the export (`export`: config.json's `convert_export`)."""
+
+
+def target(name: str) -> Target:
     """The module implementing target `name` (`TARGETS`)."""
     return TARGETS[name].implementation()
 
 
-def output_target(config: dict):
-    """The target that wrote a directory with this config.json: an export records its name."""
+def written_by(config: dict) -> str | None:
+    """The name of the target that wrote a directory with this config.json (an export records its
+    name in `convert_export`; the native format has an `mla` section), None for a checkpoint that no
+    target wrote."""
     export = config.get("convert_export")
-    return target(export.get("target", "transformers") if isinstance(export, dict) else "mla")
+    if isinstance(export, dict):
+        return export.get("target", "transformers")  # exports written before the field: transformers
+    return "mla" if "mla" in config else None
+
+
+def output_target(config: dict) -> Target:
+    """The target that wrote a directory with this config.json; the native format's when none did
+    (its checks say what is wrong with the directory)."""
+    return target(written_by(config) or "mla")
 
 
 def load_output(path, device, dtype):

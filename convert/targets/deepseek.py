@@ -375,12 +375,17 @@ def as_dtype(dtype) -> torch.dtype | None:
     return found
 
 
-def export_spec(state_dict: dict, config, target: str) -> tuple[dict, StateDictSource, AttentionSpec]:
+def export_spec(state_dict: dict, config, target: str, opts=None) -> tuple[dict, StateDictSource, AttentionSpec]:
     """(config dict, in-memory source, attention spec) of a model a DeepSeek-V3 target exports;
-    refuses the families whose attention DeepSeek-V3 cannot hold (`SUPPORTED_ARCHS` only)."""
+    refuses the families whose attention DeepSeek-V3 cannot hold (`SUPPORTED_ARCHS` only). With a
+    conversion's `opts`, the spec takes its geometry flags and first meets its refusals and `check_deepseek`'s."""
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     source = StateDictSource(state_dict, config)
-    spec = resolve_attention(config, source.keys(), source.shape)
+    if opts is not None:
+        spec = resolve_spec(attention_view(source, config), config, opts)  # a fused qkv_proj seen split
+        check_deepseek(spec, target)
+    else:
+        spec = resolve_attention(config, source.keys(), source.shape)
     if spec.arch.name not in SUPPORTED_ARCHS:
         raise ConvertError(
             f"--target {target}: exporting a {spec.arch.name} model to DeepSeek-V3 is not implemented (it has "

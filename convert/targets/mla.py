@@ -4,7 +4,6 @@ convert a layer at a time and stream the tensors to the writer (docs/design.md, 
 by transformers' Auto classes. The only target that compresses."""
 
 import dataclasses
-from pathlib import Path
 
 import torch
 
@@ -18,10 +17,10 @@ from convert.mla.format import FORMAT_VERSION, output_config
 from convert.mla.model import build_mla_model, load_mla_model
 from convert.options import ConvertOptions
 from convert.plan import ConversionPlan, check_rank, layer_weighting, make_plan, resolve_spec
-from convert.progress import progress
+from convert.progress import progress_bar
 from convert.source import StateDictSource, read_layer
 from convert.targets import Build
-from convert.text import text_token_ids
+from convert.text import calibration_ids
 from convert.threads import in_order
 from convert.transform import LayerInfo, convert_layer
 
@@ -124,21 +123,6 @@ def _calibration(source, spec: AttentionSpec, opts: ConvertOptions):
         return compress.fisher_calibrate_streamed(source, config, ids, spec.n_layers, progress=bar)
     bar = progress_bar("calibrating", "layer", opts.progress)
     return compress.calibrate(source, config, ids, spec.n_layers, progress=bar)
-
-
-def calibration_ids(source, opts: ConvertOptions) -> torch.Tensor:
-    """The calibration token ids (1, N ≤ --calib-tokens): given, or --calib tokenized."""
-    ids = opts.calib
-    if not isinstance(ids, torch.Tensor):
-        root = getattr(source, "root", Path(opts.calib).parent)
-        vocab = (source.config or {})["vocab_size"]
-        ids = text_token_ids(Path(opts.calib), root, vocab, opts.calib_tokens, what="--calib")
-    return ids[:, : opts.calib_tokens]
-
-
-def progress_bar(desc: str, unit: str, enabled: bool):
-    """Progress over an iterable: a bar on a terminal, log lines otherwise, nothing when quiet."""
-    return lambda items: progress(items, desc, unit, enabled)
 
 
 def layer_tensors(source, plan: ConversionPlan, opts: ConvertOptions, stats, infos: list[LayerInfo]):

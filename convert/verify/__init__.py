@@ -25,7 +25,7 @@ from convert.layouts import module_layout
 from convert.mla.model import load_mla_model, read_mla_config
 from convert.options import VerifyOptions, dtype_name
 from convert.progress import phase, progress
-from convert.targets import load_output, output_target
+from convert.targets import TARGETS, load_output, output_target, written_by
 from convert.text import model_tokenizer, text_token_ids
 from convert.verify.e2e import end_to_end, greedy_in_turn, streamed_end_to_end
 from convert.verify.layers import check_hf_layers, check_seed_layers
@@ -108,7 +108,11 @@ def verify_paths(original, converted, **options) -> dict:
     conversion is held to the noise floor of the original's equivalent twin
     (`convert.verify.twin`), measured alongside. Returns the report dict.
     """
-    opts = VerifyOptions.from_kwargs(**options)
+    return verify_with(original, converted, VerifyOptions.from_kwargs(**options))
+
+
+def verify_with(original, converted, opts: VerifyOptions) -> dict:
+    """`verify_paths` with its options already parsed (what a conversion hands on)."""
     if is_export(converted):
         return _verify_export(original, converted, opts)
     text, tokens, max_ppl_ratio = opts.text, opts.tokens, opts.max_ppl_ratio
@@ -218,9 +222,11 @@ def is_export(directory) -> bool:
     """Whether `directory` holds an export target's checkpoint (not the native MLA format)."""
     config = Path(directory) / "config.json"
     try:
-        return "convert_export" in json.loads(config.read_text())
-    except (OSError, ValueError, TypeError, RecursionError):
+        name = written_by(json.loads(config.read_text()))
+    except (OSError, ValueError, TypeError, AttributeError, RecursionError):
         return False  # the native checks say what is wrong with it
+    entry = TARGETS.get(name)
+    return entry is not None and entry.export
 
 
 def _verify_export(original, exported, opts: VerifyOptions) -> dict:
@@ -347,4 +353,4 @@ def _text_input(text, ids) -> dict | None:
 
 def verify(src, converted_dir, opts) -> dict:
     """Verification as `gqa2mla` runs it, from its `ConvertOptions`."""
-    return verify_paths(src, converted_dir, **vars(opts.verify_options()))
+    return verify_with(src, converted_dir, opts.verify_options())

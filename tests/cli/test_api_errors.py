@@ -136,4 +136,4 @@ def test_help_of_the_package_starts_with_its_api():
         assert name in first, name
     assert len(lines) < 1000, len(lines)  # transformers' inherited pages are not in it
     assert "PreTrainedModel" not in text
-    assert convert.MLAForCausalLM.__module__ == "convert.hf"  # still the package's, by name
+    assert convert.MLAForCausalLM.__module__ == "convert.mla.causal_lm"  # still the package's, by name

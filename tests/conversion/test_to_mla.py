@@ -79,7 +79,7 @@ def test_to_mla_trains_in_an_ordinary_loop():
 def test_to_mla_export_target_equals_the_loaded_export(tmp_path, target):
     """An export target in memory is the DeepseekV3ForCausalLM `load_export` reads from the
     directory `gqa2mla` writes: the same tensors and logits (the vllm one calibrated, G = 3)."""
-    from targets.test_target_vllm import tiny_llama
+    from tiny_models import tiny_llama
 
     from convert.verify import load_export
 
@@ -108,7 +108,7 @@ def test_to_mla_export_target_equals_the_loaded_export(tmp_path, target):
 
 
 def test_to_mla_vllm_refuses_as_the_cli_does():
-    from targets.test_target_vllm import tiny_llama
+    from tiny_models import tiny_llama
 
     with pytest.raises(convert.ConvertError, match="calib"):
         convert.to_mla(tiny_llama(3), target="vllm")

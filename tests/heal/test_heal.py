@@ -285,7 +285,7 @@ def test_heal_an_export_through_its_transformers_twin(tmp_path, target):
 def test_heal_a_live_vllm_twin_from_to_mla():
     """`to_mla(model, target="vllm")` is the export's transformers twin in memory: healing it in a
     pipeline moves its attention tensors only, never the latent norm's pass-through."""
-    from targets.test_target_vllm import tiny_llama
+    from tiny_models import tiny_llama
 
     original = tiny_llama(3)
     twin = convert.to_mla(original, target="vllm", calib=_ids(256, 3))

@@ -16,9 +16,10 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import convert
-from convert.hf import MLAForCausalLM, hf_config, load_original, load_pretrained, reference_attention
+from convert.hf import hf_config, load_original, load_pretrained, reference_attention
 from convert.io import open_checkpoint
 from convert.io.reader import Checkpoint
+from convert.mla.causal_lm import MLAForCausalLM
 from convert.mla.model import read_mla_config, swap_attention
 
 from conftest import TINY_LLAMA, hf_model

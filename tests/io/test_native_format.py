@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import convert
-from convert.hf import MLA_MODEL_TYPE
+from convert.mla.format import MLA_MODEL_TYPE
 
 from conftest import TINY_LLAMA
 

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import convert
-from convert.hf import MLAForCausalLM
+from convert.mla.causal_lm import MLAForCausalLM
 
 from conftest import TINY_LLAMA, hf_model, random_ids, rel_err
 

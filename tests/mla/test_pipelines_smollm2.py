@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import convert
-from convert.hf import MLAForCausalLM
+from convert.mla.causal_lm import MLAForCausalLM
 
 pytestmark = [pytest.mark.realdata, pytest.mark.slow]
 

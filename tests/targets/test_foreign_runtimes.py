@@ -9,7 +9,8 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from tiny_models import tiny_llama
+from transformers import AutoModelForCausalLM
 
 import convert
 from convert.targets import TARGETS, load_output, target
@@ -18,12 +19,7 @@ from conftest import REPO, TINY_LLAMA
 
 
 def _tiny_llama(tmp_path):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=64, num_hidden_layers=2,
-        vocab_size=128, intermediate_size=64, max_position_embeddings=256,
-    )  # fmt: skip
-    LlamaForCausalLM(config).eval().save_pretrained(tmp_path / "src")
+    tiny_llama(1).save_pretrained(tmp_path / "src")  # one key/value head of dim 64: exact for every target
     return tmp_path / "src"
 
 

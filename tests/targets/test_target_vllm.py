@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from tiny_models import HIDDEN, LAYERS, VOCAB, tiny_llama
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from convert.compress.calibrate import LayerStats
@@ -17,29 +18,6 @@ from convert.errors import ConvertError
 from convert.targets.vllm import ExportChoices, match_vllm_norms, to_vllm_deepseek
 
 from conftest import PROSE
-
-HIDDEN, LAYERS, VOCAB = 192, 2, 128
-
-
-def tiny_llama(n_kv_heads: int, head_dim: int = 64, **extra) -> LlamaForCausalLM:
-    torch.manual_seed(n_kv_heads)
-    return LlamaForCausalLM(tiny_config(LlamaConfig, n_kv_heads, head_dim, **extra)).eval()
-
-
-def tiny_config(config_class, n_kv_heads: int, head_dim: int = 64, **extra):
-    """The tests' two-layer source config of `config_class` (a transformers config class)."""
-    return config_class(
-        hidden_size=HIDDEN,
-        num_attention_heads=HIDDEN // head_dim * 2 if head_dim == 64 else 4,
-        num_key_value_heads=n_kv_heads,
-        head_dim=head_dim,
-        num_hidden_layers=LAYERS,
-        vocab_size=VOCAB,
-        intermediate_size=64,
-        tie_word_embeddings=True,
-        max_position_embeddings=256,
-        **extra,
-    )
 
 
 def identity_stats() -> list[LayerStats]:
@@ -268,7 +246,7 @@ def test_the_exports_attention_stands_in_for_the_sources(mask):
     """`ExportAttention` (what sequential calibration runs in the compressed stream) in a source
     decoder layer: for an exact export (one key head of d = 64) it gives the source attention's
     output, with a bool mask or none (transformers' plain causal case)."""
-    from convert.targets.vllm import ExportAttention
+    from convert.targets.vllm.runtime import ExportAttention
 
     model = tiny_llama(1)
     tensors, config = to_vllm_deepseek(model.state_dict(), model.config, ExportChoices(dtype=torch.float32))
@@ -342,7 +320,9 @@ def test_refining_a_compressed_latent_fits_each_layer_and_moves_only_what_vllm_r
     move, and not the biases vLLM never reads; the export records the steps."""
     from convert import compress
     from convert.io import open_checkpoint
-    from convert.targets.vllm import SequentialLatents, latent_content_rank, resolve_vllm_spec, rotation_fit_observer
+    from convert.targets.vllm.calibration import SequentialLatents, rotation_fit_observer
+    from convert.targets.vllm.export import resolve_vllm_spec
+    from convert.targets.vllm.geometry import latent_content_rank
 
     original = tiny_llama(n_kv_heads=2)
     original.save_pretrained(tmp_path / "src", safe_serialization=True)
@@ -385,8 +365,9 @@ def calibrate_with(model, tmp_path, tokens: int, *more) -> list:
     """`calibrated_stats` with the observers `more` beside the rotation fit."""
     from convert.compress.calibrate import calibrate
     from convert.io import open_checkpoint
-    from convert.targets.vllm import resolve_vllm_spec, rotation_fit_observer
-    from convert.targets.vllm_bias import observers
+    from convert.targets.vllm.bias import observers
+    from convert.targets.vllm.calibration import rotation_fit_observer
+    from convert.targets.vllm.export import resolve_vllm_spec
 
     model.save_pretrained(tmp_path / "src")
     config = json.loads((tmp_path / "src" / "config.json").read_text())
@@ -406,7 +387,7 @@ def test_llama3_rope_is_served_as_deepseek_yarn_and_fitted(tmp_path):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
     from convert.hf import hf_config
-    from convert.targets.vllm import rope_frequencies
+    from convert.targets.vllm.rope import rope_frequencies
 
     model = tiny_llama(1, rope_parameters=LLAMA3_ROPE)
     with pytest.raises(ConvertError, match="calib"):
@@ -456,7 +437,7 @@ def _brute_force_equations(q, r, k0, keys, inv_freq, rotary_freq=None, base=None
 
 @pytest.mark.parametrize("folded", [False, True])
 def test_normal_equations_equal_the_sums_over_the_drawn_pairs(folded):
-    from convert.targets.nope_fit import fit_normal_equations, sample_keys
+    from convert.targets.vllm.nope_fit import fit_normal_equations, sample_keys
 
     g = torch.Generator().manual_seed(0)
     L, H, d = 7, 3, 8
@@ -475,7 +456,7 @@ def test_normal_equations_equal_the_sums_over_the_drawn_pairs(folded):
 
 
 def test_sampled_keys_follow_the_attention_probabilities():
-    from convert.targets.nope_fit import sample_keys
+    from convert.targets.vllm.nope_fit import sample_keys
 
     probs = torch.tensor([[[1.0, 0.0, 0.0], [0.25, 0.75, 0.0], [0.1, 0.2, 0.7]]])  # (1, 3, 3)
     keys = sample_keys(probs, 20000, torch.Generator().manual_seed(0))[0]  # (3, 20000)
@@ -485,7 +466,7 @@ def test_sampled_keys_follow_the_attention_probabilities():
 
 
 def _fit(q, r, k0, theta):
-    from convert.targets.nope_fit import fit_normal_equations, fit_rotation_stand_in, sample_keys
+    from convert.targets.vllm.nope_fit import fit_normal_equations, fit_rotation_stand_in, sample_keys
 
     L, H, d = q.shape
     probs = torch.softmax(torch.randn(H, L, L, dtype=torch.float64, generator=torch.Generator().manual_seed(5)), -1)
@@ -523,7 +504,7 @@ def test_fit_recovers_a_stand_in_that_is_exact():
 
 
 def test_key_remainder_removes_the_rotary_mixture():
-    from convert.targets.nope_fit import key_remainder
+    from convert.targets.vllm.nope_fit import key_remainder
 
     g = torch.Generator().manual_seed(2)
     B, L, G, d = 2, 5, 3, 8
@@ -541,7 +522,7 @@ def test_key_remainder_removes_the_rotary_mixture():
 def test_rotary_key_and_remainder_add_up_to_each_heads_key(fold):
     """At Δ = 0 nothing turns: the rotary query (its coefficients u_s[g(h)·f + i]) against the rotary
     key of each pair's slot, plus the query against the remainder, is q·k of the head's group."""
-    from convert.targets.nope_fit import key_remainder, per_pair, rotary_coefficients, rotary_mixture
+    from convert.targets.vllm.nope_fit import key_remainder, per_pair, rotary_coefficients, rotary_mixture
 
     g = torch.Generator().manual_seed(4)
     L, G, H, d = 5, 2, 4, 8 * fold
@@ -560,7 +541,7 @@ def test_rotary_key_and_remainder_add_up_to_each_heads_key(fold):
 def test_attention_probabilities_are_the_modules_own():
     from transformers.masking_utils import create_causal_mask
 
-    from convert.targets.nope_fit import attention_probabilities
+    from convert.targets.vllm.nope_fit import attention_probabilities
 
     model = tiny_llama(3)
     model.config._attn_implementation = "eager"
@@ -597,7 +578,8 @@ def test_the_fitted_stand_in_beats_unrotated_terms_on_smollm2(smollm2, tmp_path)
 
     from convert.compress.calibrate import calibrate
     from convert.io import open_checkpoint
-    from convert.targets.vllm import resolve_vllm_spec, rotation_fit_observer
+    from convert.targets.vllm.calibration import rotation_fit_observer
+    from convert.targets.vllm.export import resolve_vllm_spec
     from convert.text import text_token_ids
 
     config = json.loads((smollm2 / "config.json").read_text())

@@ -1,5 +1,5 @@
 """Qwen2 / Qwen2.5 to the `vllm` target: q/k/v biases carried into the weights on the calibration
-inputs (`convert.targets.vllm_bias`), an `o_proj` bias (Llama's `attention_bias`) on the attention
+inputs (`convert.targets.vllm.bias`), an `o_proj` bias (Llama's `attention_bias`) on the attention
 outputs, uncalibrated biases refused, the figures in `convert_export`.
 
 The tiny models' token embeddings share one direction, as real hidden states carry nearly constant
@@ -10,14 +10,15 @@ import json
 
 import pytest
 import torch
-from test_target_vllm import HIDDEN, LAYERS, VOCAB, calibrate_with, calibrated_stats, exported_model, tiny_config
+from test_target_vllm import calibrate_with, calibrated_stats, exported_model
+from tiny_models import HIDDEN, LAYERS, VOCAB, tiny_config
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import convert
 from convert.compress.calibrate import LayerStats
 from convert.errors import ConvertError
 from convert.targets.vllm import ExportChoices, to_vllm_deepseek
-from convert.targets.vllm_bias import bias_carrier, output_observer
+from convert.targets.vllm.bias import bias_carrier, output_observer
 
 from conftest import PROSE
 

@@ -36,7 +36,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
         (1024, 16, 8, 128, None, False, "llama"),  # Mistral-7B's: folded frequencies, a compressed latent
         (192, 6, 3, 64, LLAMA3 | {"original_max_position_embeddings": 64, "rope_theta": 10000.0}, False, "llama"),
         (192, 6, 3, 64, None, True, "llama"),  # the export healed through its transformers twin (convert.heal)
-        (256, 8, 2, 128, None, False, "qwen2"),  # q/k/v biases carried in the weights (convert.targets.vllm_bias)
+        (256, 8, 2, 128, None, False, "qwen2"),  # q/k/v biases carried in the weights (convert.targets.vllm.bias)
         (192, 6, 3, 64, None, False, "llama_bias"),  # Llama's attention_bias: o_proj's too, on the attention outputs
     ],
 )

@@ -1,0 +1,134 @@
+"""Target `vllm`: a DeepSeek-V3 checkpoint in the one shape vLLM's MLA kernels serve (512 latent + 64
+shared rotary dims), behind the target interface (`convert.targets.Target`). The construction, file by
+file: docs/design.md, "Deployment targets". Two entry points besides the interface: `vllm_export` (the
+tensor stream) and `to_vllm_deepseek` (in memory)."""
+
+import torch
+
+from convert import compress
+from convert.arch import AttentionSpec
+from convert.compress.refine import NO_REFINEMENT, Refinement
+from convert.errors import ConvertError
+from convert.hf import load_pretrained
+from convert.layouts import attention_view
+from convert.progress import progress_bar
+from convert.source import LazyTensors, StateDictSource
+from convert.targets import Build
+from convert.targets.deepseek import check_deepseek, export_model, export_sizes, export_spec, exporting
+from convert.targets.vllm.bias import biased_projections, observers, output_observer
+from convert.targets.vllm.calibration import SequentialLatents, rotation_fit_observer
+from convert.targets.vllm.export import ExportChoices, stream_export, to_vllm_deepseek, vllm_export
+from convert.targets.vllm.geometry import needs_compression
+from convert.targets.vllm.notes import NAME, report, short_note
+from convert.targets.vllm.rope import check_vllm_exportable, needs_calibration
+from convert.targets.vllm.runtime import match_vllm_norms
+from convert.text import calibration_ids
+
+__all__ = [
+    "FOREIGN",
+    "NAME",
+    "ExportChoices",
+    "build",
+    "check",
+    "load",
+    "match_vllm_norms",
+    "model",
+    "report",
+    "to_vllm_deepseek",
+    "vllm_export",
+]
+
+#: What other runtimes make of this output.
+FOREIGN = (
+    "stock transformers runs it as a DeepseekV3ForCausalLM and computes the model vLLM serves (compare or "
+    "evaluate there); to train it, use convert heal, which keeps frozen the biases vLLM ignores"
+)
+#: How the vllm target's compressed latent is calibrated unless --calibration says: original measured
+#: better at 75% and 25% of the latent's need on SmolLM2, sequential at 50% (bench/vllm_latent.py).
+VLLM_CALIBRATION = "original"
+
+
+def check(spec: AttentionSpec, opts) -> None:
+    """What DeepSeek-V3's dense layers cannot hold (q/k norms, fused MLPs); vLLM's own limits are
+    checked with the export's geometry (`check_vllm_exportable`)."""
+    check_deepseek(spec, NAME)
+
+
+def build(source, opts) -> Build:
+    """The export's tensors, read from the source a tensor at a time as they are written, calibrated
+    on --calib when there is more than one key/value head. Every refusal comes before calibration."""
+    layout, config, tensors, spec = _export(source, LazyTensors(source), opts)
+    return Build(
+        layout=layout,
+        copied=[],
+        tensors=exporting(tensors, len(layout), opts.progress),
+        config=lambda: config,
+        notes=lambda: [short_note(config["convert_export"]), FOREIGN],  # complete once every tensor is written
+        sizes=lambda: export_sizes(source, spec, opts, layout, config),
+        metadata={"format": "pt"},
+        options=opts,
+    )
+
+
+def model(state: dict, config: dict, opts, dtype: torch.dtype, device):
+    """`to_mla(target="vllm")`: the export as transformers' DeepseekV3ForCausalLM with vLLM's
+    latent-norm eps (`match_vllm_norms`), in memory."""
+    source = attention_view(StateDictSource(state, config), config)
+    _, export_config, tensors, _ = _export(source, state, opts)
+    export = export_model(dict(tensors), export_config, dtype, device, NAME)
+    match_vllm_norms(export)
+    return export
+
+
+def load(path, device, dtype):
+    """The export as transformers loads it, with vLLM's latent-norm eps: the model vLLM serves."""
+    model = load_pretrained(path, device, dtype)
+    match_vllm_norms(model)
+    return model
+
+
+def _export(source, state_dict, opts):
+    """(layout, config_dict, tensor stream, spec) of `source`'s export: resolved and refused once (the
+    conversion's refusals, then vLLM's), calibrated on --calib when given. state_dict: the source's
+    tensors by name (read lazily from a checkpoint)."""
+    config, view, spec = export_spec(state_dict, source.config or {}, NAME, opts)
+    dtype = view.dtype(spec.tensor(0, "q"))
+    biased = biased_projections(spec, view)
+    calibrate = needs_calibration(spec, config, bool(biased))
+    check_vllm_exportable(config, spec, view, dtype, opts.calib is not None or not calibrate)
+    if (calibrate or needs_compression(spec, config["hidden_size"])) and opts.verify:
+        if opts.text is None or opts.max_ppl_ratio is None:
+            raise ConvertError(
+                "--target vllm is lossy for this model (vLLM rotates 64 key dims shared by all heads at one "
+                "frequency set): verification judges it by perplexity on real text, so pass --text FILE (a text "
+                "unlike --calib) and --max-ppl-ratio R (e.g. 1.1), or --no-verify"
+            )
+    choices = _calibrated(source, view, spec, config, opts, biased) if opts.calib is not None else ExportChoices()
+    layout, export_config, tensors = stream_export(state_dict, config, view, spec, choices)
+    return layout, export_config, tensors, spec
+
+
+def _calibrated(source, view, spec: AttentionSpec, config: dict, opts, biased: list[str]) -> ExportChoices:
+    """The export's choices from --calib: the statistics (with the rotation stand-in's fit when the
+    export is lossy, the attention outputs' moments for an o_proj bias, the Fisher rows when the
+    latent is compressed) and, when asked, the compressed latent's sequential calibration."""
+    ids = calibration_ids(source, opts)
+    bar = progress_bar("calibrating", "layer", opts.progress)
+    rotation_fit = rotation_fit_observer(view, spec, config) if needs_calibration(spec, config, bool(biased)) else None
+    observe = observers(rotation_fit, output_observer() if "o" in biased else None)
+    stats = compress.calibrate(source, config, ids, spec.n_layers, progress=bar, observe=observe)
+    if not needs_compression(spec, config["hidden_size"]):
+        return ExportChoices(stats=stats)
+    # the latent is compressed: weigh it in loss units
+    fisher_bar = progress_bar("fisher statistics", "layer", opts.progress)
+    fisher = compress.fisher_calibrate_streamed(source, config, ids, spec.n_layers, progress=fisher_bar)
+    for layer_stats, layer_fisher in zip(stats, fisher):
+        layer_stats.key_fisher, layer_stats.value_fisher = layer_fisher.key_fisher, layer_fisher.value_fisher
+    refit = (opts.calibration or VLLM_CALIBRATION) == "sequential"
+    # refinement of the export's latent is not yet measured on a real model: only when asked
+    refinement = Refinement.sized(opts.refine_steps) if opts.refine_steps is not None else NO_REFINEMENT
+    sequential = None
+    if refit or refinement.steps:
+        module_source = getattr(source, "module_source", source)
+        sequential = SequentialLatents(module_source, config, ids, refit=refit, refinement=refinement)
+    return ExportChoices(stats=stats, sequential=sequential)

@@ -1,0 +1,132 @@
+"""One layer's export tensors: the position-free keys and the values factored into the latent
+(exact at the content's rank, compressed below it), the rotary key, the scaled query and output."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from convert.arch import AttentionSpec
+from convert.compress.weights import ridge
+from convert.linalg.factor import Factor
+from convert.linalg.heads import group_of_head
+from convert.linalg.weighted import psd_sqrt, weighted_factor
+from convert.targets.vllm.bias import BiasCarrier
+from convert.targets.vllm.geometry import (
+    KV_LORA_RANK,
+    LATENT_DIMS,
+    NORM_BIAS,
+    NORM_EPS,
+    ROPE_DIM,
+    fold,
+    latent_content_rank,
+)
+from convert.targets.vllm.nope_fit import rotary_coefficients
+from convert.targets.vllm.rotary import rotary_key_weights, rotate_half_pairs
+from convert.transform import LayerWeights
+
+
+@dataclass(frozen=True)
+class LatentFit:
+    """How one layer's latent is factored (`latent_factor`): the dims it may use (at most
+    `LATENT_DIMS`), the layer's calibration statistics (`convert.compress.calibrate`'s `LayerStats`,
+    with the Fisher rows when calibrated for them) and sequential calibration's `SequentialStats` of
+    the layer (the compressed model's inputs; None: the original's)."""
+
+    rank: int = LATENT_DIMS
+    layer_stats: object = None
+    inputs: object = None
+
+
+def latent_factor(
+    remainder: torch.Tensor, value: torch.Tensor, spec: AttentionSpec, fit: LatentFit = LatentFit()
+) -> tuple[Factor, bool]:
+    """The latent's down-projection and the keys' and values' up-projections: a factor of
+    [r; W^V] (2·G·d, D). (factor, compressed): exact (plain SVD at the content's rank) when
+    `latent_content_rank` fits in `fit.rank`; otherwise the compression module's best rank-`fit.rank`
+    factor (`weighted_factor`: M-whitened, rows weighted by the key and value Fisher
+    information when the stats carry it — loss units, so keys and values share the budget).
+    With `fit.inputs` M is the compressed model's inputs' and the up-projections are refit to the
+    original layer's outputs; else M is the original's."""
+    rank, layer_stats, inputs = fit.rank, fit.layer_stats, fit.inputs
+    content = torch.cat([remainder, value.double()])  # (2·G·d, D)
+    need = min(latent_content_rank(spec), content.shape[1])
+    if need <= rank:
+        return weighted_factor(content, need), False
+    row_weight = None
+    if getattr(layer_stats, "key_fisher", None) is not None:
+        row_weight = torch.block_diag(
+            psd_sqrt(ridge(layer_stats.key_fisher.double())), psd_sqrt(ridge(layer_stats.value_fisher.double()))
+        )
+    if inputs is not None:
+        return weighted_factor(content, rank, row_weight, moment=inputs.moment, cross=inputs.cross), True
+    moment = layer_stats.moment if layer_stats is not None else None
+    return weighted_factor(content, rank, row_weight=row_weight, moment=moment), True
+
+
+def attention_tensors(
+    w: LayerWeights,
+    spec: AttentionSpec,
+    u: torch.Tensor,
+    q_scale: float,
+    s: float,
+    stand_in: torch.Tensor | None = None,
+    latent: LatentFit = LatentFit(),
+    carrier: BiasCarrier | None = None,
+) -> tuple[dict[str, torch.Tensor], bool]:
+    """One layer's DeepseekV3Attention tensors (float64), by name relative to `self_attn.`, and
+    whether its latent is compressed (`latent_factor`).
+
+    u (32, G·f): the rotary directions (`rotary_directions`). stand_in (H, 2, d/2, 2): for head
+    h and pair j, [h, 0, j] the (α, β) of its position-free (NoPE) terms, which stand in for the
+    dropped rotation as q_hᵀ [[α, β], [-β, α]] r, and [h, 1, j] the (α', β') of the map added to
+    its rotary query (`convert.targets.vllm.nope_fit`); default the terms unrotated, nothing added.
+    latent: how the latent is factored (`latent_factor`); of the 512 dims those it does not use
+    are zero but the norm's constant rows (`NORM_ROWS`). carrier: how the q/k/v biases ride in the
+    weights (`convert.targets.vllm.bias`); required with biases."""
+    G, d, H = spec.n_kv_heads, spec.head_dim, spec.n_heads
+    f = fold(d)
+    first, second = rotate_half_pairs(d)
+    hidden = w.q.shape[1]
+    groups = group_of_head(H, G, spec.head_map)  # (H,)
+    if carrier is None and any(b is not None for b in (w.q_bias, w.k_bias, w.v_bias)):
+        raise ValueError("q/k/v biases need a BiasCarrier (calibration statistics) to be carried")
+    q = carrier.carry(w.q, w.q_bias).reshape(H, d, hidden) if carrier else w.q.double().reshape(H, d, hidden)
+    key = carrier.carry(w.k, w.k_bias) if carrier else w.k
+    k0, remainder = rotary_key_weights(key, spec, u)  # (64, D), (G·d, D)
+    value = carrier.carry(w.v, w.v_bias) if carrier else w.v
+
+    if stand_in is None:
+        stand_in = torch.zeros(H, 2, d // 2, 2, dtype=torch.float64)
+        stand_in[:, 0, :, 0] = 1.0  # unrotated
+    alpha, beta, alpha_pe, beta_pe = (stand_in[:, i, :, j].double()[..., None] for i in (0, 1) for j in (0, 1))
+    base = rotary_coefficients(u, groups, G)[..., None]  # (H, d/2, 1)
+    # a map [[α, β], [-β, α]] on the query side of qᵀ M k: Mᵀq = (α q1 - β q2, β q1 + α q2) for pair (q1, q2)
+    q1, q2 = q[:, first], q[:, second]  # (H, d/2, D)
+    pe_first = ((base + alpha_pe) * q1 - beta_pe * q2).reshape(H, ROPE_DIM // 2, f, hidden).sum(2)  # (H, 32, D)
+    pe_second = (beta_pe * q1 + (base + alpha_pe) * q2).reshape(H, ROPE_DIM // 2, f, hidden).sum(2)
+    q_pe = torch.stack([pe_first, pe_second], dim=2).reshape(H, ROPE_DIM, hidden)  # interleaved (2s, 2s+1)
+    k_pe = torch.stack([k0[: ROPE_DIM // 2], k0[ROPE_DIM // 2 :]], dim=1).reshape(ROPE_DIM, hidden)
+    q_nope = torch.cat([alpha * q1 - beta * q2, beta * q1 + alpha * q2], dim=1)  # (H, d, D), W^Q's row layout
+
+    factor, compressed = latent_factor(remainder, value, spec, latent)
+    used = factor.down.shape[0]
+    latent = torch.zeros(KV_LORA_RANK, hidden, dtype=torch.float64)
+    latent[:used] = factor.down
+    up = torch.zeros(2, G, d, KV_LORA_RANK, dtype=torch.float64)
+    up[..., :used] = factor.up.reshape(2, G, d, used)  # [keys' remainder | values] per group
+    kv_b = torch.cat([up[0, groups], up[1, groups]], dim=1)  # (H, 2d, 512): head h reads its group's
+    latent_bias = torch.zeros(KV_LORA_RANK + ROPE_DIM, dtype=torch.float64)
+    latent_bias[LATENT_DIMS:KV_LORA_RANK] = NORM_BIAS  # transformers' stand-in for the eps (`NORM_ROWS`)
+    norm_weight = torch.full((KV_LORA_RANK,), math.sqrt(NORM_EPS), dtype=torch.float64)
+    norm_weight[LATENT_DIMS:] = 0.0
+    tensors = {
+        "q_proj.weight": (q_scale * torch.cat([q_nope, q_pe], dim=1)).reshape(H * (d + ROPE_DIM), hidden),
+        "kv_a_proj_with_mqa.weight": torch.cat([latent, k_pe]),  # (512 + 64, D)
+        "kv_a_proj_with_mqa.bias": latent_bias,  # (512 + 64,): read by transformers only
+        "kv_a_layernorm.weight": norm_weight,
+        "kv_b_proj.weight": kv_b.reshape(H * 2 * d, KV_LORA_RANK),
+        "o_proj.weight": s * w.o.double(),  # (D, H·d)
+        "o_proj.bias": torch.zeros(hidden, dtype=torch.float64),  # attention_bias asks for it; vLLM skips it
+    }
+    return tensors, compressed

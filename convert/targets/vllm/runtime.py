@@ -1,0 +1,70 @@
+"""The export in transformers as vLLM computes it: the latent norm's eps (`match_vllm_norms`), and one
+layer's export attention standing in a source decoder layer (`ExportAttention`)."""
+
+import torch
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+from convert.targets.vllm.nope_fit import additive_mask
+
+
+class ExportAttention(torch.nn.Module):
+    """The export's DeepseekV3Attention standing in a source decoder layer's self_attn: its own
+    rotary embedding (the export's 64 interleaved dims), the latent norm's eps as vLLM reads it,
+    its output ÷ s (o_proj carries the residual scale; the source's stream is unscaled)."""
+
+    def __init__(self, export_config: dict, layer: int, tensors: dict[str, torch.Tensor], s: float):
+        super().__init__()
+        config = DeepseekV3Config.from_dict({k: v for k, v in export_config.items() if k != "convert_export"})
+        config._attn_implementation = "eager"
+        self.attention = DeepseekV3Attention(config, layer).to(torch.float32)
+        weights = {name: t.float() for name, t in tensors.items()}
+        weights["o_proj.weight"] = weights["o_proj.weight"] / s
+        self.attention.load_state_dict(weights)
+        _match_vllm_norm(self.attention, config.rms_norm_eps)
+        self.rotary = DeepseekV3RotaryEmbedding(config)
+        # what vLLM never reads is not refined (`convert.compress.refine`)
+        self.untrained_parameters = tuple(name.removeprefix("self_attn.") for name in VLLM_SKIPS)
+
+    def export_tensors(self, s: float) -> dict[str, torch.Tensor]:
+        """The attention's tensors as the export writes them (o_proj × s again)."""
+        tensors = {name: t.detach().clone() for name, t in self.attention.state_dict().items()}
+        tensors["o_proj.weight"] = tensors["o_proj.weight"] * s
+        return tensors
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, **kwargs):
+        L = hidden_states.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(L, device=hidden_states.device)[None]
+        rotary = self.rotary(hidden_states, position_ids)
+        mask = additive_mask(attention_mask, L, hidden_states.dtype)
+        return self.attention(hidden_states, position_embeddings=rotary, attention_mask=mask)
+
+
+#: Tensors of an export vLLM never reads (its attention Linears have no biases): healing leaves them.
+VLLM_SKIPS = ("self_attn.kv_a_proj_with_mqa.bias", "self_attn.o_proj.bias")
+
+
+def match_vllm_norms(model) -> None:
+    """Make transformers' DeepseekV3 compute what vLLM does on an export of this target.
+
+    transformers hard-codes `kv_a_layernorm`'s eps to 1e-6; vLLM uses `rms_norm_eps` (2^40 here).
+    An export carries the difference itself (`NORM_ROWS`: a latent bias transformers reads and vLLM
+    skips), so stock transformers needs nothing and this leaves it alone; on an export written
+    before that (no `kv_a_proj_with_mqa.bias`) it sets the eps to the config's. Also marks the
+    attention biases vLLM skips as not to be trained (`convert.healing`)."""
+    for layer in model.model.layers:
+        _match_vllm_norm(layer.self_attn, model.config.rms_norm_eps)
+    model.untrained_parameters = VLLM_SKIPS
+
+
+def _match_vllm_norm(attention: torch.nn.Module, eps: float) -> None:
+    """A DeepseekV3Attention's latent norm as vLLM computes it: as it is with the latent bias
+    (`NORM_ROWS`), else with its eps (transformers names it variance_epsilon) set to `eps`."""
+    if getattr(attention.kv_a_proj_with_mqa, "bias", None) is not None:
+        return
+    norm = attention.kv_a_layernorm
+    setattr(norm, "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps", eps)
+
+
+# ------------------------------------------------------------------ the target's interface (convert.targets)
