@@ -1,13 +1,7 @@
-"""Errors the tool raises on purpose, each with the exit code the CLI uses.
+"""Errors the tool raises on purpose, each with the exit code the CLI uses (README, "Exit codes").
 
-Every message is one line that names the file, tensor or field at fault and
-says how to fix it. The CLI maps them (README, "Exit codes"): 0 PASS, 1
-verification FAIL (not an exception: `ConversionResult.passed`), 2
-`ConvertError`, 3 `EnvironmentFailure`, 130 interrupted (KeyboardInterrupt).
-
-A message names options as the command line spells them (`--kv-cache-ratio 0.5`, `-o`); raised
-to a Python caller it names them as keywords instead (`kv_cache_ratio=0.5`, `output`): the
-command line says so with `cli_words()` around a command (`convert.options.python_terms`, set by `speak_python`).
+Every message is one line that names the file, tensor or field at fault and says how to fix it; it names options as
+flags under `cli_words()` (the command line), as Python keywords otherwise (`convert.options.python_terms`).
 """
 
 from contextlib import contextmanager

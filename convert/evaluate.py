@@ -1,12 +1,7 @@
-"""Evaluation with lm-evaluation-harness: the original and its conversions, side by side.
+"""Evaluation with lm-evaluation-harness: the original and its conversions, side by side (docs/evaluation.md).
 
-`evaluate(paths, tasks, original=...)` runs lm_eval tasks on the original checkpoint and on each
-converted directory, one model in memory at a time: each is opened in the runtime it was made for
-(`convert.targets.load_output`: a vllm export computes vLLM's numbers, not stock transformers')
-and handed to lm_eval's `HFLM`. The local tasks (`convert/eval_tasks/`, no download) are
-`convert_ppl`, perplexity over a held-out text, and `convert_mc`, a small multiple-choice task;
-lm_eval's own tasks work too. `render_markdown` is the side-by-side table. lm_eval is optional:
-`pip install 'convert[eval]'`.
+Each model is opened in the runtime it was made for (a vllm export computes vLLM's numbers, not stock transformers'),
+one at a time. lm_eval is optional: `pip install 'convert[eval]'`.
 """
 
 import json

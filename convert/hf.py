@@ -1,10 +1,6 @@
 """The bridge to transformers: the one module that talks to its config, model and tokenizer classes.
 
-Everything else in the package works on plain config dicts and state dicts. Here: `hf_config` (a
-transformers config from a config.json dict, our `mla` section dropped); `hf_classes`, `causal_mask`
-(a family's own attention, decoder layer and rotary classes and its mask: verification's references);
-`build_causal_lm`, `load_original` (the whole source model); `empty_weights`, `allocate` (a model with
-no weight storage, then uninitialised storage on its device); `meta_state_dict`; `load_tokenizer`.
+Everything else in the package works on plain config dicts and state dicts.
 """
 
 import contextlib

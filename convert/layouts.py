@@ -1,13 +1,7 @@
 """Checkpoints seen in the tensor layout conversion and transformers' modules read (`TensorView`).
 
-- Phi-3 fuses q, k and v in one `qkv_proj` weight (rows [q | k | v]); `attention_view` presents
-  the three as separate row blocks under the family's q/k/v names.
-- Mixtral checkpoints keep one weight per expert (`block_sparse_moe.experts.{e}.w1/w2/w3`), while
-  transformers' modules hold the experts stacked and the router as `mlp.gate`; `module_layout`
-  presents them stacked, the same values rearranged.
-
-A view is read-only: it adds virtual tensors assembled from stored ones, hides those, and hands
-everything else (raw bytes, config, paths) to the checkpoint it wraps (`stored`).
+A checkpoint stored otherwise (Phi-3's fused `qkv_proj`, Mixtral's weights per expert) is presented in the layout read,
+the same values rearranged, without rewriting it.
 """
 
 import re
@@ -32,7 +26,11 @@ class VirtualTensor:
 
 
 class TensorView:
-    """A checkpoint (or `StateDictSource`) with `virtual` tensors in place of their members."""
+    """A checkpoint (or `StateDictSource`) with `virtual` tensors in place of their members.
+
+    Read-only: it adds virtual tensors assembled from stored ones, hides those, and hands everything
+    else (raw bytes, config, paths) to the checkpoint it wraps (`stored`).
+    """
 
     def __init__(self, stored, virtual: dict[str, VirtualTensor]):
         self.stored, self.virtual = stored, virtual

@@ -1,13 +1,7 @@
-"""The options of a conversion and of a verification, declared once.
+"""The options of a conversion and of a verification, declared once: flag, help, choices and section.
 
-Each field carries its CLI flag, help text, choices and help section as metadata;
-`convert.cli` builds its click options from these fields, so the CLI and the Python
-API cannot drift apart (tests/cli/test_cli_parity.py checks it). `VerifyOptions` are the
-fields `convert verify` takes; `ConvertOptions` adds those of `convert gqa2mla`.
-
-No torch at import: the CLI reads this module to answer --help and refuse bad flags
-at once (tests/cli/test_cli_startup.py); torch is imported by the methods that return
-torch objects (`run_dtype`, `torch_device`, `TORCH_DTYPES`), on first use.
+`convert.cli` builds its click options from these fields, so the CLI and the Python API cannot drift apart
+(tests/cli/test_cli_parity.py). No torch at import: --help and bad flags answer at once (tests/cli/test_cli_startup.py).
 """
 
 from __future__ import annotations

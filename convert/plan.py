@@ -1,11 +1,7 @@
 """The conversion plan: every size of a conversion, decided once before a tensor is written.
 
-From the attention spec (config + shapes), the options and, below the exact rank, the
-calibration statistics: per layer the latent ranks and the output tensors' shapes; for the
-model the KV-cache size per token, the attention parameter counts and the memory estimates
-(docs/design.md, "Layout of the code" and "Memory"). `make_plan` gives a `ConversionPlan`;
-`plan_for_config(config, **options)` plans a model from its config.json alone (tensor shapes
-from a meta-device model), allocating nothing.
+Per layer the latent ranks and the output tensors' shapes; for the model the KV-cache size per token, the attention
+parameter counts and the memory estimates (docs/design.md, "Layout of the code" and "Memory").
 """
 
 import dataclasses

@@ -1,9 +1,7 @@
 """Run the original model one decoder layer at a time, from its checkpoint.
 
-Verification and calibration both need the hidden states that really reach
-each layer. Loading the whole model would cap the size we can handle at the
-machine's memory; here one layer is built, loaded lazily from the safetensors
-files, run on the captured hidden states, and dropped.
+Verification and calibration need the hidden states that really reach each layer. Each layer is built, loaded lazily
+from the safetensors files, run and dropped, so the model's size is not capped by the machine's memory.
 """
 
 import functools

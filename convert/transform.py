@@ -1,11 +1,7 @@
 """The pure state-dict transform: one layer's GQA attention tensors -> MLA tensors (`convert_layer`).
 
-No files and no modules here: tensors in, tensors out (in `work_dtype`: float64, float32 for a
-half-precision checkpoint; `dtype` for the absorbed Ŵ^Q and Ŵ^O, the layer's largest, cast head
-by head; the factored layout's W^Q and W^O as given; callers cast the rest). `factor_layer`
-factors one layer's keys and values. Output tensor names are relative to the layer's attention
-prefix and match the submodules of `convert.mla.MLAAttention`; docs/design.md, "Output format",
-lists them per layout (absorbed split or joint, factored, q/k norm).
+No files and no modules here: tensors in, tensors out. Output names are relative to the layer's attention prefix and
+match the submodules of `convert.mla.MLAAttention`; docs/design.md, "Output format", lists them per layout.
 """
 
 import dataclasses

@@ -1,11 +1,7 @@
-"""Type and range checks of config.json, before any of its values is used: `check_config`.
+"""Type and range checks of config.json's fields, before any of its values is used.
 
-A field of the wrong type (a head count written as a string, a float where an integer belongs,
-`rope_parameters` as a string, a 40-digit layer count) would otherwise surface as a Python
-exception deep inside planning or transformers. Each refusal is one line: the file, the field,
-what it holds, what it must hold. Only the fields of `TOP_LEVEL`, `ROPE_FIELDS` and `layer_types`
-are checked; others pass through untouched. Consistency with the tensors (head counts against
-shapes, layers present, vocabulary against the embedding) is `convert.arch.spec`'s.
+A wrong type (a head count written as a string, a 40-digit layer count) would otherwise surface as an exception deep
+in planning or transformers; here it is a one-line refusal. Consistency with the tensors is `convert.arch.spec`'s.
 """
 
 import math
@@ -202,7 +198,8 @@ def check_config(config: dict, where: str = "config.json") -> None:
     """Refuse a config.json whose fields have the wrong type or range.
 
     where: how messages name the file. Absent fields are fine (the family's
-    default applies); null is accepted only where it means the default.
+    default applies); null is accepted only where it means the default. Only the fields of
+    `TOP_LEVEL`, `ROPE_FIELDS` and `layer_types` are checked; others pass through untouched.
     """
     for field, (checker, nullable) in TOP_LEVEL.items():
         if field in config and not (nullable and config[field] is None):

@@ -1,10 +1,7 @@
 """Compression below the exact rank: calibration, weighting, budget allocation (docs/design.md, "Compression").
 
-`uniform_ranks` and `allocate_global` decide the latent sizes for a KV-cache budget (the budget
-itself is `convert.plan`'s), and `static_frequencies` which RoPE frequencies an absorbed latent
-caches as NoPE dims (`--nope-angle`); the conversion then factors each layer with `layer_weighting`'s
-weights at those ranks (see `convert.transform.factor_layer`). The statistics behind the weights
-come from `calibrate` and `fisher_calibrate(_streamed)`, or from `convert.compress.sequential`.
+Decides each latent's rank for a KV-cache budget (the budget itself is `convert.plan`'s) and what its error is weighted
+by; the conversion then factors each layer at those ranks (`convert.transform.factor_layer`).
 """
 
 import torch

@@ -1,11 +1,6 @@
 """Spending a KV-cache budget across layers, keys and values (docs/design.md, "Compression").
 
-Each latent (a layer's keys or values) has a spectrum of weighted singular
-values; keeping component i removes σ_i² from its error. `uniform` gives every
-latent the same rank (the baseline). `global` ranks every component of every
-latent by the share of its latent's weighted energy it carries, per cache dim
-it costs (a RoPE key pair costs 2), and keeps the best until the budget is
-spent: it minimizes the sum over latents of relative weighted error.
+Every component of every latent competes for the budget by the error it removes per cache dim it costs.
 """
 
 from dataclasses import dataclass
@@ -30,6 +25,10 @@ def allocate_global(latents: list[Latent], budget: int, normalize: bool = True) 
     normalize: rank components by their share of their own latent's energy
     (spectra in unrelated units); False when the spectra share one unit
     (Fisher weighting: loss), so the largest σ² anywhere goes first.
+
+    Keeping component i of a latent removes σ_i² from its weighted error; keeping the best per cache
+    dim (a RoPE key pair costs 2) until the budget is spent minimizes the sum over latents of
+    weighted error (relative to each latent's energy when `normalize`).
     """
     kept = {id(lat): lat.minimum for lat in latents}
     spent = sum(lat.minimum * lat.cost for lat in latents)

@@ -1,16 +1,7 @@
 """Attention-output refinement: each compressed layer fitted to what its attention computes.
 
-The closed-form factorization (`convert.linalg.weighted`) minimises a weighted error of a
-layer's keys and of its values taken apart. What the next layer sees is the attention's
-output: softmax over the scores, the values, then the output map, where the key and value
-errors interact. After the factorization, and with the compressed model's own inputs (the
-sequential calibration's stream), this fits the layer's converted tensors to the ORIGINAL
-layer's attention output on the original model's inputs:
-
-    min  Σ ‖attn_mla(y) − attn(y°)‖² / Σ ‖attn(y°)‖²      (y: compressed stream, y°: original)
-
-by Adam over a few windows of calibration text at a time (docs/compression.md, "Attention-output
-refinement"). Deterministic for a seed; memory one decoder layer and its windows' activations.
+After the closed-form factorization, Adam fits a layer's tensors so that its attention output on the compressed model's
+inputs matches the original's on the original's (docs/compression.md, "Attention-output refinement").
 """
 
 from dataclasses import dataclass

@@ -1,13 +1,7 @@
 """Sequential calibration (GPTQ's order): each layer is compressed for the inputs it will see.
 
-One-shot calibration factors every layer on the original model's hidden states, so the
-errors of layers < ℓ are invisible to layer ℓ and compound through the depth. Here the
-calibration windows run through two models side by side, one decoder layer at a time: the
-original, and the model compressed so far (layers < ℓ with their converted attention).
-Layer ℓ's latents are then chosen for the compressed model's inputs y (their moment
-M = E[y yᵀ]) and its up-projections refit in closed form to reproduce the ORIGINAL layer's
-keys and values, W y°, from them (C = E[y° yᵀ]; `convert.linalg.weighted._refit_up`).
-Memory stays one decoder layer plus the two streams' hidden states.
+The calibration windows run through the original model and the model compressed so far, side by side, one decoder
+layer at a time; memory stays one decoder layer plus the two streams' hidden states (docs/design.md, "Compression").
 """
 
 import contextlib

@@ -1,10 +1,7 @@
 """What each latent's error is weighted by, per compression method (docs/design.md, "Compression").
 
-- svd: nothing (plain weight SVD, the baseline);
-- whitened: the layer's input second moment M (activation-whitened SVD);
-- fisher: M, and the rows weighted by the Fisher information of the key and
-  value outputs, E[g gᵀ] with g = ∂loss/∂k (K-FAC): the weighted singular values
-  are then in units of loss, comparable across layers, keys and values.
+`svd`: nothing; `whitened`: the layer's input second moment M; `fisher`: M and the Fisher information of the key and
+value outputs (K-FAC), so the weighted singular values are in units of loss, comparable across layers, keys and values.
 """
 
 import torch

@@ -1,12 +1,7 @@
-"""Healing: a distillation of a converted model toward the original's logits.
+"""Healing: a distillation of a converted model toward the original's logits (docs/healing.md).
 
-The converted model's MLA projections (and only they: every other parameter stays frozen) are
-trained to minimise KL(original ‖ converted) of the next-token distributions, on accelerate
-(`train.py`: one process, or many under `accelerate launch` / `torchrun`), on text, JSONL or
-Parquet files (`data.py`), with checkpoints to resume from (`state.py`); before/after perplexity
-and KL are measured on held-out tokens (`report.py`). `heal(model_or_path, texts, ...)` heals a
-live module in place, or a converted directory (an export included) into a new directory. The
-objective's pieces (`objective.py`) serve a loop of one's own; `trainer.py` puts them in a `Trainer`.
+The MLA projections, and only they, are trained to minimise KL(original ‖ converted) of the next-token distributions,
+on a live module in place or on a converted directory (an export included) written into a new directory.
 """
 
 import json

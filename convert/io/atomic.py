@@ -1,13 +1,7 @@
-"""File-system primitives for writing an output safely.
+"""File-system primitives for writing an output safely: a new output replaces the old one in one step.
 
-- `environment_errors`: an `OSError` from the machine (disk full, permission, read-only file
-  system, name too long) becomes one `EnvironmentFailure` line (exit 3) naming the output and the fix.
-- `make_sibling`: a hidden temporary directory beside the output, named
-  `.NAME.KIND-<pid>-<random>` so a later run can tell a dead process left it.
-- `move_into_place`: the new directory takes the output's place in one step
-  (`renameat2(RENAME_EXCHANGE)` where the kernel has it; otherwise rename the
-  old one aside, rename the new one in, and put the old one back on failure).
-- `signals_deferred`: Ctrl-C and SIGTERM wait until a swap has finished.
+An `OSError` from the machine becomes one `EnvironmentFailure` line (exit 3) naming the output and the fix; Ctrl-C and
+SIGTERM wait until a swap has finished.
 """
 
 from __future__ import annotations
@@ -56,7 +50,8 @@ def environment_errors(output: Path, needed: int | None = None) -> Iterator[None
 
 
 def sibling_name(output: Path, kind: str, pid: int | None = None) -> Path:
-    """`.NAME.KIND-<pid>-<random>` beside `output` (KIND is tmp or old)."""
+    """`.NAME.KIND-<pid>-<random>` beside `output` (KIND is tmp or old): the pid lets a later run tell a dead
+    process left it."""
     pid = os.getpid() if pid is None else pid
     return output.parent / f".{output.name}.{kind}-{pid}-{secrets.token_hex(4)}"
 
@@ -140,6 +135,8 @@ def move_into_place(new: Path, target: Path) -> Path | None:
     Either the old `target` or the new one is in place at every moment, except
     between the two renames of the fallback, where the old one waits at a
     `.NAME.old-<pid>-*` sibling that a later run restores if this one dies.
+    The swap is one `renameat2(RENAME_EXCHANGE)` where the kernel has it; the fallback renames
+    the old one aside, the new one in, and puts the old one back on failure.
     """
     if not os.path.lexists(target):
         _rename_new(new, target)

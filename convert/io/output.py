@@ -1,13 +1,7 @@
 """Where a conversion may write, and how one run claims that place (docs/design.md, "Output format").
 
-`check_output` refuses an input (or an ancestor or descendant of one), a file, a symbolic link, and
-an existing output unless `force` is given and convert wrote it (a finished `.convert-manifest.json`
-lists all it holds). `output_lock` claims the output for the whole run (`.NAME.lock` beside it:
-flock, pid inside) and removes, or restores with a warning, what dead runs left beside it
-(`.NAME.tmp-<pid>-*`, `.NAME.old-<pid>-*`). `default_output`: `<name>-mla` beside the input.
-
-    with output_lock(output, [src], force):    # checks, locks, cleans up
-        ...plan, then CheckpointWriter(output, ...), write, commit...
+An output is never an input, a file or a symbolic link; it replaces an existing one only with `force` and only where
+convert wrote it. One run at a time holds it, and cleans up what dead runs left beside it.
 """
 
 from __future__ import annotations
@@ -385,6 +379,9 @@ def output_lock(output: Path | str, inputs: Iterable[Path | str | None] = (), fo
     EnvironmentFailure (exit 3) when another run holds it or the lock cannot be
     made. Re-entrant within one process; the lock file and any parent
     directories it needed are removed again on leaving, unless the output is in them.
+
+        with output_lock(output, [src], force):    # checks, locks, cleans up
+            ...plan, then CheckpointWriter(output, ...), write, commit...
     """
     inputs = list(inputs)
     check_output(output, inputs, force)  # before the lock file, which must not land inside an input

@@ -1,12 +1,7 @@
-"""Open a safetensors checkpoint (single file, sharded directory or HF model dir).
+"""Open a safetensors checkpoint (single file, sharded directory or HF model dir), validated at open time.
 
-All validation happens at open time by parsing each file's header ourselves,
-so a bad checkpoint fails fast with a one-line ConvertError instead of a
-stack trace halfway through a conversion. Headers, config.json and the shard
-index are parsed strictly (`parse_json`): valid UTF-8, no key given twice, bounded
-nesting; a header's entries must have a known dtype, a shape of non-negative
-integers and offsets that tile the data area exactly, as safetensors requires. Tensor data is never read at open
-time; tensors are read one at a time on demand.
+Every file's header is parsed and checked first, so a bad checkpoint fails fast with a one-line `ConvertError` instead
+of a stack trace halfway through a conversion; tensor data is read later, one tensor at a time, on demand.
 """
 
 from __future__ import annotations
@@ -95,7 +90,12 @@ class FileHeader:
 
 
 def read_header(path: Path) -> FileHeader:
-    """Parse and validate the header of one safetensors file without reading data."""
+    """Parse and validate the header of one safetensors file without reading data.
+
+    The header is parsed strictly (`parse_json`: valid UTF-8, no key given twice, bounded nesting), as
+    config.json and the shard index are; its entries must have a known dtype, a shape of non-negative
+    integers and offsets that tile the data area exactly, as safetensors requires.
+    """
     size, header_len = check_prelude(path)
     try:
         with open(path, "rb") as f:

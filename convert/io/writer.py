@@ -1,11 +1,6 @@
-"""Streaming, atomic, sharded safetensors writer: `CheckpointWriter` (and `parse_size`).
+"""Streaming, atomic, sharded safetensors writer: a checkpoint written while the caller computes the next layer.
 
-The tensor plan (name -> shape, dtype) is known up front, so every shard's header is written and
-its file preallocated first; tensors then arrive in any order and are written by background
-threads while the caller computes the next layer. Everything goes to a hidden temporary sibling
-(``.NAME.tmp-<pid>-<random>``) that ``commit()`` moves into place in one step, listing every file
-in ``.convert-manifest.json``; a failed or interrupted run leaves no half-written output. An
-``OSError`` becomes one ``EnvironmentFailure`` line naming the output and the fix (exit 3).
+A failed or interrupted run leaves no half-written output.
 """
 
 from __future__ import annotations
@@ -271,6 +266,13 @@ class CheckpointWriter:
     output convert must not create or replace, EnvironmentFailure while
     another run holds it) until ``commit()`` or ``abort()``; a caller that
     already holds it (re-entrant) keeps it longer.
+
+    Since the plan is known up front, every shard's header is written and its file preallocated
+    first; tensors then arrive in any order and are written by background threads while the
+    caller computes. Everything goes to a hidden temporary sibling (``.NAME.tmp-<pid>-<random>``)
+    that ``commit()`` moves into place in one step, listing every file in
+    ``.convert-manifest.json``. An ``OSError`` becomes one ``EnvironmentFailure`` line naming the
+    output and the fix (exit 3).
     """
 
     def __init__(

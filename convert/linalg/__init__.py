@@ -1,11 +1,7 @@
 """Pure tensor-in, tensor-out math of the conversion: no files, no modules.
 
-- `heads`: which key/value group each query head reads (the head map).
-- `factor`: exact (and truncated) low-rank factorizations of the K/V projections.
-- `rope`: the per-frequency complex latent that keeps RoPE keys exact.
-- `absorb`: folding the up-projections into the query and output projections.
-- `weighted`: weighted low-rank factorizations for compression below the exact rank
-  (imported from `convert.linalg.weighted`, not re-exported here).
+Head maps, exact factorizations and absorption are re-exported here; the weighted factorizations of compression are
+imported from `convert.linalg.weighted`, not re-exported.
 """
 
 from convert.linalg.absorb import absorb_output, absorb_query

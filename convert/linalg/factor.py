@@ -1,10 +1,7 @@
 """Low-rank factorizations `W = up @ down` of key/value projections (docs/design.md, "The exact factorization").
 
-Factorizations run in float64 and return float64, unless a caller asks for float32
-(`work_dtype`: the exact conversion of a half-precision checkpoint); callers cast at the end.
-We never SVD the tiled (H·d × D) matrix: its row space is the row space of the
-(G·d × D) matrix, so factoring the small one and picking rows per head is the
-same subspace at H/G times less work.
+Each factors the small (G·d × D) matrix, never the tiled (H·d × D) one: the same row space at H/G times less work. They
+run in float64, or in float32 where a caller asks (`work_dtype`); callers cast at the end.
 """
 
 from dataclasses import dataclass

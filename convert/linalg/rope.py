@@ -1,11 +1,7 @@
 """Exact absorption with RoPE keys: the per-frequency complex latent (docs/design.md, "RoPE").
 
-Each frequency's keys are factored by a complex SVD, so the latent rotates exactly as the keys
-do: a real factorization `W^K = up @ down` whose latent pair p turns with source frequency
-`freq_index[p]`, and absorbing `up` into the queries is the ordinary `(W^{UK}_h)ᵀ W^Q_h`.
-Entry points: `rope_factor` (every dim rotates), `partial_rope_factor` ([rotary pairs | NoPE
-dims]), `aligned_rope_factor` (the latent is the keys themselves, for q/k norms; `latent_groups`
-and `latent_ungroup` reshape it per KV head).
+Each frequency's keys are factored by a complex SVD, so the latent rotates exactly as the keys do: latent pair p turns
+with source frequency `freq_index[p]`, and absorbing `up` into the queries is the ordinary `(W^{UK}_h)ᵀ W^Q_h`.
 """
 
 import torch

@@ -1,11 +1,7 @@
 """Weighted low-rank factorizations for compression below the exact rank (docs/design.md, "Compression").
 
-Each minimizes what the error does to the layer, ‖B (W − up·down) M^{1/2}‖_F (M the second moment
-of the layer's inputs, B a weight on the rows; B = I and M = I is plain weight SVD).
-Entry points: `weighted_factor` (real latents), `weighted_rope_factor` (per-frequency complex
-RoPE latents; `hermitian_pair_weights` gives Fisher row weights), `decoupled_rope_factor` and
-`decoupled_spectrum` (slow frequencies cached as NoPE dims, `static_split`), and the spectra
-the budget allocation reads (`weighted_spectrum`, `pair_weighted_moment_spectrum`).
+Each minimizes what the error does to the layer, ‖B (W − up·down) M^{1/2}‖_F (M the second moment of the layer's
+inputs, B a weight on the rows; B = I and M = I is plain weight SVD).
 """
 
 from dataclasses import dataclass

@@ -1,12 +1,7 @@
 """The runnable MLA attention: `MLAAttention`, a drop-in for a transformers attention module.
 
-Two layouts over the same cached latent (docs/design.md, "Absorption" and "RoPE"): absorbed (MQA
-with head dim r over the latent, queries from Ŵ^Q, RoPE rotating latent pair p with the source
-frequency `freq_index[p]`) and factored (keys and values up-projected per head at run time, then
-the source's RoPE). The cache (a transformers `Cache`) holds latents only: keys (B, 1, S, r_K),
-values (B, 1, S, r_V) (joint: the key latent serves both), and in the factored layout with RoPE
-each token's position. Attention runs through SDPA; explicit scores ("eager") only for
-soft-capping. `build_mla_attention` builds one layer's module from the `mla` config section.
+Two layouts over the same cached latent (docs/design.md, "Absorption" and "RoPE"): absorbed (MQA with head dim r over
+the latent) and factored (keys and values up-projected per head at run time, then the source's RoPE).
 """
 
 import torch
@@ -77,6 +72,10 @@ class MLAAttention(nn.Module):
 
     layer: this layer's entry of config.json `mla.layers` (ranks, key_freq_index,
     bias), mla: the `mla` section (layout, latent, n_heads, head_dim, …).
+
+    The cache (a transformers `Cache`) holds latents only: keys (B, 1, S, r_K), values (B, 1, S, r_V)
+    (joint: the key latent serves both), and in the factored layout with RoPE each token's position.
+    Attention runs through SDPA; explicit scores ("eager") only for soft-capping.
     """
 
     def __init__(

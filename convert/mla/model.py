@@ -1,9 +1,7 @@
 """Load a converted checkpoint as a runnable transformers causal LM.
 
-`MLAForCausalLM` (the class transformers' Auto classes load): the source architecture's model
-built from config.json with every attention module swapped for `MLAAttention`, its weights given
-storage directly on the target device and not initialised, then filled with the converted
-tensors strictly (every tensor used, none missing but a tied lm_head), each read once.
+The source architecture's model with every attention module swapped for `MLAAttention`, its weights given storage
+directly on the target device and filled with the converted tensors strictly, each read once.
 """
 
 import json

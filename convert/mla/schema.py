@@ -1,10 +1,7 @@
-"""Checks of a converted directory before anything runs on it: its config.json `mla` section
-against this version's format, the source fields beside it, and the tensors present.
+"""Checks of a converted directory before anything runs on it (docs/design.md, "Output format").
 
-`check_converted(path)` runs them in order: strict JSON and well-typed source fields, the section's
-own fields and `format_version`, the section against the source fields, then against the tensors
-(`convert.mla.shapes.output_shapes`). Each refusal is a `ConvertError` (exit 2): one line naming the file,
-the field or tensor, and the fix (docs/design.md, "Output format").
+Its config.json `mla` section against this version's format, the source fields beside it, and the tensors present;
+each refusal is a `ConvertError` (exit 2): one line naming the file, the field or tensor, and the fix.
 """
 
 from pathlib import Path

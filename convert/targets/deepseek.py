@@ -1,12 +1,7 @@
 """An exact `DeepseekV3ForCausalLM` checkpoint for stock transformers (target `transformers`).
 
-Built from the SOURCE GQA weights, not from the native MLA output: every key dim rotary in one
-shared `k_pe`, each query head zero outside its own group's block, RoPE as longrope factors that
-give each interleaved pair the source's own frequency, the latent norms neutralized by a constant.
-`to_deepseek_v3` builds it (tensors and config), `check_exportable` refuses what DeepSeek-V3
-cannot hold exactly; both DeepSeek-V3 targets share the rest (`export_spec`, `pass_through_names`,
-`deepseek_config_fields`, `export_sizes`, `export_source` and `export_model` for `to_mla`). The construction tensor by tensor, its precision and
-size: docs/design.md, "Deployment targets".
+Built from the SOURCE GQA weights, not from the native MLA output; what both DeepSeek-V3 targets share is here too.
+The construction tensor by tensor, its precision and size: docs/design.md, "Deployment targets".
 """
 
 import math

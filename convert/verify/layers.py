@@ -1,10 +1,7 @@
-"""Per-layer verification, streamed: one original decoder layer in memory at a time.
+"""Per-layer verification, streamed: one original decoder layer in memory at a time (docs/design.md, "Verification").
 
-For each layer the original attention (transformers' own module, or the seed's
-MyGQA) and the converted `MLAAttention` see the same inputs, positions, rotary
-embeddings and mask. With token ids, the inputs are the hidden states that
-really reach that layer: the original decoder layers run one after another on
-captured hidden states. Without, they are random N(0, 1) (post-norm scale).
+The original attention (transformers' own module, or the seed's `MyGQA`) and the converted `MLAAttention` see the same
+inputs: the hidden states that really reach the layer when token ids are given, else random N(0, 1) (post-norm scale).
 """
 
 import torch
@@ -54,7 +51,8 @@ def check_hf_layers(run: VerifyRun, token_ids: torch.Tensor | None, n_tokens: in
 
 
 def check_seed_layers(run: VerifyRun, n_tokens: int, progress) -> list[dict]:
-    """Per-layer errors of a seed-notation checkpoint against the seed's MyGQA (x attends to x)."""
+    """Per-layer errors of a seed-notation checkpoint against the seed's MyGQA (x attends to x; tiled head map,
+    no mask, no RoPE)."""
     mla = run.mla
     generator = torch.Generator().manual_seed(0)
     results = []

@@ -1,9 +1,7 @@
-"""The verification report: thresholds, verdict, JSON (data first) and Markdown.
+"""The verification report: thresholds, verdict, JSON (data first) and Markdown (docs/design.md, "Verification").
 
-`thresholds` sets a run's bounds; `decide` gives the verdict, the rule that decided it (round-off
-bounds; in half precision the noise floor of `convert.verify.twin`; --max-ppl-ratio when lossy) and
-every figure against its bound; `write_report` writes verification.json (its schema below),
-verification.md (`render_markdown`) and verification_layers.png (`plot_layers`).
+One of three rules decides the verdict (round-off bounds; in half precision the noise floor of `convert.verify.twin`;
+--max-ppl-ratio when lossy), and the report gives every figure against its bound.
 """
 
 # Schema `convert.verification/1` (verification.json):

@@ -1,10 +1,7 @@
-"""The seed's own code (USA-NA-AIO 2025 Round 2, Problem 2, the reference answers).
+"""The seed's own code, copied verbatim: not our code, so do not "fix" it here.
 
-`MyMHA` (Part 5), `MyGQA` (Part 7), `GQA_2_MLA` (Part 10) and `reduced_matrices`
-(Part 13), copied verbatim from the seed (`shared/seeds/` beside the repository):
-not our code, so do not "fix" it here. `MyGQA` is what `convert verify` checks
-seed-notation checkpoints against (tiled head map, no mask, no RoPE); the tests
-check the package against all four.
+USA-NA-AIO 2025 Round 2, Problem 2 (`shared/seeds/` beside the repository), reference answers of Parts 5 (`MyMHA`),
+7 (`MyGQA`: what `convert verify` checks seed-notation checkpoints against), 10 (`GQA_2_MLA`), 13 (`reduced_matrices`).
 """
 
 import numpy as np

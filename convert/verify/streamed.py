@@ -1,13 +1,7 @@
-"""End-to-end verification streamed layer by layer: the figures of `compare_models` without
-either whole model in memory.
+"""End-to-end verification streamed layer by layer: `compare_models`' figures without either whole model in memory.
 
-Both models' hidden states of the verification tokens are carried from decoder layer to
-decoder layer, each model in its own stream; one original and one converted decoder layer
-are in memory at a time, read from the checkpoints. The final norm and the logits follow,
-in vocabulary chunks of the lm_head read row block by row block: logsumexp, KL, top-1 and
-next-token NLL are accumulated per chunk in one pass, so no (tokens × vocab) tensor exists. The
-logits of a chunk are computed in the run's dtype (as the whole model does) and compared
-in float64.
+One original and one converted decoder layer are in memory at a time; the logits follow in vocabulary chunks of the
+lm_head, so no (tokens × vocab) tensor exists (docs/design.md, "Verification").
 """
 
 from functools import partial
@@ -120,7 +114,8 @@ def _chunks(stream: _Stream, checkpoint: Checkpoint):
 
 def _logits_chunks(stream, ref_h, got_h, got_checkpoint: Checkpoint):
     """Yield (start, ref logits (L, C) float64, the other model's logits (L, C) float64) per vocabulary
-    chunk; got_checkpoint: the other model's (its lm_head)."""
+    chunk, computed in the run's dtype (as the whole model computes them) and compared in float64;
+    got_checkpoint: the other model's (its lm_head)."""
     for (start, w_ref), (_, w_got) in zip(_chunks(stream, stream.original), _chunks(stream, got_checkpoint)):
         ref = stream.cap(torch.nn.functional.linear(ref_h[0], w_ref)).double()  # (L, C), run dtype -> float64
         got = stream.cap(torch.nn.functional.linear(got_h[0], w_got)).double()

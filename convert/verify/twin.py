@@ -1,11 +1,7 @@
-"""The noise floor of a half-precision checkpoint: an equivalent twin of the original.
+"""The noise floor of a half-precision checkpoint: an equivalent twin of the original (docs/design.md, "Verification").
 
-The twin's attention weights are an exact reparametrisation of the original's, rounded back to
-the checkpoint's dtype: W^Q·s and W^K/s (every score q·k unchanged: RoPE is linear), W^V·s and
-W^O/s (every output unchanged), each bias with its weight, computed in float64. In exact
-arithmetic it is the original; stored in bfloat16 or float16 it differs from it by one more
-rounding of every attention weight, which is what an exact conversion costs too. Its errors on
-the same inputs are the floor a conversion is held to (docs/design.md, "Verification").
+Its attention weights are an exact reparametrisation of the original's, rounded back to the checkpoint's dtype: it
+differs from the original by one more rounding of every attention weight, which is what an exact conversion costs too.
 """
 
 import torch

@@ -1,11 +1,7 @@
-"""The position-free stand-in for the rotations the vllm target cannot keep.
+"""The position-free stand-in for the rotations the vllm target cannot keep (docs/design.md, "Deployment targets").
 
-The vllm export keeps one rotary mixture of the G key heads per frequency; the remainder of each
-key loses its rotation. Here each head's position-free score is fitted by two fixed 2×2 maps per
-frequency of the rotation's form (one on the position-free terms, one added to the rotary query),
-by least squares over (query, key) pairs of the calibration text drawn from the original model's
-attention probabilities (`SAMPLES` keys per query): `fit_normal_equations`, `fit_rotation_stand_in`.
-The derivation: docs/design.md, "Deployment targets".
+The vllm export keeps one rotary mixture of the G key heads per frequency; the rest of each key loses its rotation, so
+each head's position-free score is fitted by least squares on calibration text, with two fixed 2×2 maps per frequency.
 """
 
 import torch
