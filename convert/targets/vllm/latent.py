@@ -85,8 +85,6 @@ def attention_tensors(
     are zero but the norm's constant rows (`NORM_ROWS`). carrier: how the q/k/v biases ride in the
     weights (`convert.targets.vllm.bias`); required with biases."""
     G, d, H = spec.n_kv_heads, spec.head_dim, spec.n_heads
-    f = fold(d)
-    first, second = rotate_half_pairs(d)
     hidden = w.q.shape[1]
     groups = group_of_head(H, G, spec.head_map)  # (H,)
     if carrier is None and any(b is not None for b in (w.q_bias, w.k_bias, w.v_bias)):
@@ -96,33 +94,17 @@ def attention_tensors(
     k0, remainder = rotary_key_weights(key, spec, u)  # (64, D), (G·d, D)
     value = carrier.carry(w.v, w.v_bias) if carrier else w.v
 
-    if stand_in is None:
-        stand_in = torch.zeros(H, 2, d // 2, 2, dtype=torch.float64)
-        stand_in[:, 0, :, 0] = 1.0  # unrotated
-    alpha, beta, alpha_pe, beta_pe = (stand_in[:, i, :, j].double()[..., None] for i in (0, 1) for j in (0, 1))
-    base = rotary_coefficients(u, groups, G)[..., None]  # (H, d/2, 1)
-    # a map [[α, β], [-β, α]] on the query side of qᵀ M k: Mᵀq = (α q1 - β q2, β q1 + α q2) for pair (q1, q2)
-    q1, q2 = q[:, first], q[:, second]  # (H, d/2, D)
-    pe_first = ((base + alpha_pe) * q1 - beta_pe * q2).reshape(H, ROPE_DIM // 2, f, hidden).sum(2)  # (H, 32, D)
-    pe_second = (beta_pe * q1 + (base + alpha_pe) * q2).reshape(H, ROPE_DIM // 2, f, hidden).sum(2)
-    q_pe = torch.stack([pe_first, pe_second], dim=2).reshape(H, ROPE_DIM, hidden)  # interleaved (2s, 2s+1)
+    q_nope, q_pe = _queries(q, u, spec, stand_in)  # (H, d, D), (H, 64, D)
     k_pe = torch.stack([k0[: ROPE_DIM // 2], k0[ROPE_DIM // 2 :]], dim=1).reshape(ROPE_DIM, hidden)
-    q_nope = torch.cat([alpha * q1 - beta * q2, beta * q1 + alpha * q2], dim=1)  # (H, d, D), W^Q's row layout
-
     factor, compressed = latent_factor(remainder, value, spec, latent)
-    used = factor.down.shape[0]
-    latent = torch.zeros(KV_LORA_RANK, hidden, dtype=torch.float64)
-    latent[:used] = factor.down
-    up = torch.zeros(2, G, d, KV_LORA_RANK, dtype=torch.float64)
-    up[..., :used] = factor.up.reshape(2, G, d, used)  # [keys' remainder | values] per group
-    kv_b = torch.cat([up[0, groups], up[1, groups]], dim=1)  # (H, 2d, 512): head h reads its group's
+    down, kv_b = _latent_maps(factor, spec, groups, hidden)  # (512, D), (H, 2d, 512)
     latent_bias = torch.zeros(KV_LORA_RANK + ROPE_DIM, dtype=torch.float64)
     latent_bias[LATENT_DIMS:KV_LORA_RANK] = NORM_BIAS  # transformers' stand-in for the eps (`NORM_ROWS`)
     norm_weight = torch.full((KV_LORA_RANK,), math.sqrt(NORM_EPS), dtype=torch.float64)
     norm_weight[LATENT_DIMS:] = 0.0
     tensors = {
         "q_proj.weight": (q_scale * torch.cat([q_nope, q_pe], dim=1)).reshape(H * (d + ROPE_DIM), hidden),
-        "kv_a_proj_with_mqa.weight": torch.cat([latent, k_pe]),  # (512 + 64, D)
+        "kv_a_proj_with_mqa.weight": torch.cat([down, k_pe]),  # (512 + 64, D)
         "kv_a_proj_with_mqa.bias": latent_bias,  # (512 + 64,): read by transformers only
         "kv_a_layernorm.weight": norm_weight,
         "kv_b_proj.weight": kv_b.reshape(H * 2 * d, KV_LORA_RANK),
@@ -130,3 +112,40 @@ def attention_tensors(
         "o_proj.bias": torch.zeros(hidden, dtype=torch.float64),  # attention_bias asks for it; vLLM skips it
     }
     return tensors, compressed
+
+
+def _queries(
+    q: torch.Tensor, u: torch.Tensor, spec: AttentionSpec, stand_in: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_nope (H, d, D) in W^Q's row layout, q_pe (H, 64, D) interleaved (2s, 2s+1)) of the query
+    weights q (H, d, D): the position-free terms through the stand-in's (α, β) map, the rotary
+    query the rotary mixture's coefficients plus the stand-in's (α', β') map, folded per slot."""
+    G, d, H = spec.n_kv_heads, spec.head_dim, spec.n_heads
+    f, hidden = fold(d), q.shape[2]
+    first, second = rotate_half_pairs(d)
+    if stand_in is None:
+        stand_in = torch.zeros(H, 2, d // 2, 2, dtype=torch.float64)
+        stand_in[:, 0, :, 0] = 1.0  # unrotated
+    alpha, beta, alpha_pe, beta_pe = (stand_in[:, i, :, j].double()[..., None] for i in (0, 1) for j in (0, 1))
+    base = rotary_coefficients(u, group_of_head(H, G, spec.head_map), G)[..., None]  # (H, d/2, 1)
+    # a map [[α, β], [-β, α]] on the query side of qᵀ M k: Mᵀq = (α q1 - β q2, β q1 + α q2) for pair (q1, q2)
+    q1, q2 = q[:, first], q[:, second]  # (H, d/2, D)
+    pe_first = ((base + alpha_pe) * q1 - beta_pe * q2).reshape(H, ROPE_DIM // 2, f, hidden).sum(2)  # (H, 32, D)
+    pe_second = (beta_pe * q1 + (base + alpha_pe) * q2).reshape(H, ROPE_DIM // 2, f, hidden).sum(2)
+    q_pe = torch.stack([pe_first, pe_second], dim=2).reshape(H, ROPE_DIM, hidden)  # interleaved (2s, 2s+1)
+    q_nope = torch.cat([alpha * q1 - beta * q2, beta * q1 + alpha * q2], dim=1)  # (H, d, D), W^Q's row layout
+    return q_nope, q_pe
+
+
+def _latent_maps(
+    factor: Factor, spec: AttentionSpec, groups: torch.Tensor, hidden: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the latent's down-projection (512, D), kv_b (H, 2d, 512)) from the latent's factor: the dims
+    it does not use are zero; head h reads its group's key remainder and values."""
+    G, d = spec.n_kv_heads, spec.head_dim
+    used = factor.down.shape[0]
+    latent = torch.zeros(KV_LORA_RANK, hidden, dtype=torch.float64)
+    latent[:used] = factor.down
+    up = torch.zeros(2, G, d, KV_LORA_RANK, dtype=torch.float64)
+    up[..., :used] = factor.up.reshape(2, G, d, used)  # [keys' remainder | values] per group
+    return latent, torch.cat([up[0, groups], up[1, groups]], dim=1)
