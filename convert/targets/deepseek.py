@@ -391,6 +391,23 @@ def export_spec(state_dict: dict, config, target: str, opts=None) -> tuple[dict,
     return config, source, spec
 
 
+def _geometry(spec: AttentionSpec, source, rope_params: dict, dtype: torch.dtype) -> DeepseekGeometry:
+    """The exact export's geometry: the latent and (with a query bias) the query latent as square
+    widths, the query scale against DeepseekV3Attention's own, the latent norm's exponent."""
+    rope_dim = spec.n_kv_heads * spec.head_dim
+    deepseek_scale = yarn_apply_mscale(rope_params, rope_dim**-0.5)  # DeepseekV3Attention.scaling
+    q_bias = any(spec.tensor(layer, "q", "bias") in source for layer in range(spec.n_layers))
+    return DeepseekGeometry(
+        n_heads=spec.n_heads,
+        n_kv_heads=spec.n_kv_heads,
+        head_dim=spec.head_dim,
+        kv_lora_rank=square_width(rope_dim + 1, dtype),
+        q_lora_rank=square_width(spec.n_heads * spec.head_dim + 1, dtype) if q_bias else None,
+        q_scale=spec.softmax_scale / deepseek_scale,
+        norm_exponent=NORM_EXPONENT[dtype],
+    )
+
+
 def to_deepseek_v3(state_dict: dict[str, torch.Tensor], config, dtype=None) -> tuple[dict, dict]:
     """Export a GQA model (Llama, Mistral, Qwen2) as an exact DeepseekV3ForCausalLM, in memory.
 
@@ -415,18 +432,7 @@ def to_deepseek_v3(state_dict: dict[str, torch.Tensor], config, dtype=None) -> t
     rope = source_rope(hf_src, spec.arch.name)
     rope_params, rope_ulps = deepseek_rope_parameters(rope, spec.n_kv_heads)
     rope_dim = spec.n_kv_heads * spec.head_dim
-    deepseek_scale = yarn_apply_mscale(rope_params, rope_dim**-0.5)  # DeepseekV3Attention.scaling
-    q_bias = any(spec.tensor(layer, "q", "bias") in source for layer in range(spec.n_layers))
-    geo = DeepseekGeometry(
-        n_heads=spec.n_heads,
-        n_kv_heads=spec.n_kv_heads,
-        head_dim=spec.head_dim,
-        kv_lora_rank=square_width(rope_dim + 1, dtype),
-        q_lora_rank=square_width(spec.n_heads * spec.head_dim + 1, dtype) if q_bias else None,
-        q_scale=spec.softmax_scale / deepseek_scale,
-        norm_exponent=NORM_EXPONENT[dtype],
-    )
-
+    geo = _geometry(spec, source, rope_params, dtype)
     attention = {
         "q_lora_rank": geo.q_lora_rank,
         "kv_lora_rank": geo.kv_lora_rank,
