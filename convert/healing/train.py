@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -118,39 +118,75 @@ def train(model, original, train, eval_ids: torch.Tensor, opts: HealOptions, sta
     if check_ids is not None:
         track = Backtracking(trainable, optimizer, lambda: held_out_kl(original, live, check_ids, opts.window))
     scheduler = healing_scheduler(optimizer, opts.steps, track)
-    run = TrainingState(world=accelerator.num_processes)
-    if opts.resume:
-        found = latest_checkpoint(state_dir)
-        if found is None:
-            raise ConvertError(f"--resume: no checkpoint in {state_dir}; run without --resume to start")
-        run = load_checkpoint(found, accelerator, trainable, optimizer, track, _signature(opts, accelerator))
+    run = _started(opts, state_dir, accelerator, trainable, optimizer, track)
     schedule_at(scheduler, run.step)
     if track:
         track.scheduler = scheduler
     global_batch = opts.batch_size * opts.grad_accum * accelerator.num_processes
-    window_tokens = opts.batch_size * opts.grad_accum * windows.window  # per process and step
     if state_dir is not None and accelerator.log_with:
         accelerator.init_trackers("convert-heal", config=_flat(opts))
-    start, seconds_before = time.perf_counter(), run.seconds
-    prepared.train()
+    steps = _Steps(accelerator, prepared, original, windows, trainable, optimizer, scheduler, track)
     try:
-        bar = progress(
-            range(run.step, opts.steps),
-            "healing",
-            "step",
-            shown,
-            total=opts.steps - run.step,
-        )
+        steps.run(run, opts, state_dir, shown)
+    finally:
+        if opts.gradient_checkpointing:
+            _checkpointing(live, False)
+        for name, p in live.named_parameters():
+            p.requires_grad_(flags.get(name, p.requires_grad))
+        live.eval()
+    with phase("held-out figures after healing", shown):
+        after = _measure(original, live, eval_ids, opts.eval_window)
+    if accelerator.log_with:
+        accelerator.log({"held_out/ppl_ratio": after["ppl_ratio"], "held_out/kl": after["kl_mean"]}, step=opts.steps)
+        accelerator.end_training()
+    texts = {"train_tokens": train_tokens, "eval_tokens": int(eval_ids.shape[-1])}
+    held_out = {"before": before, "after": after}
+    return _figures(opts, accelerator, run, steps, global_batch, check_ids, texts, held_out), accelerator
+
+
+def _started(
+    opts: HealOptions, state_dir: Path | None, accelerator, trainable: dict, optimizer, track
+) -> TrainingState:
+    """The run's state: new, or with `opts.resume` the latest checkpoint's (weights, optimizer and
+    checks restored in place)."""
+    if not opts.resume:
+        return TrainingState(world=accelerator.num_processes)
+    found = latest_checkpoint(state_dir)
+    if found is None:
+        raise ConvertError(f"--resume: no checkpoint in {state_dir}; run without --resume to start")
+    return load_checkpoint(found, accelerator, trainable, optimizer, track, _signature(opts, accelerator))
+
+
+@dataclass
+class _Steps:
+    """The healing loop's parts, prepared by `train`: what one optimizer step touches."""
+
+    accelerator: object
+    prepared: torch.nn.Module  # the model as accelerate wraps it
+    original: torch.nn.Module
+    windows: object  # `Windows` or `WindowsStreamed`
+    trainable: dict
+    optimizer: object
+    scheduler: object
+    track: object  # `Backtracking` or None
+
+    def run(self, run: TrainingState, opts: HealOptions, state_dir: Path | None, shown: bool) -> None:
+        """Steps `run.step` to `opts.steps`: each recorded in `run`, checked, logged and saved as asked."""
+        accelerator, track = self.accelerator, self.track
+        global_batch = opts.batch_size * opts.grad_accum * accelerator.num_processes
+        window_tokens = opts.batch_size * opts.grad_accum * self.windows.window  # per process and step
+        start, seconds_before = time.perf_counter(), run.seconds
+        self.prepared.train()
+        bar = progress(range(run.step, opts.steps), "healing", "step", shown, total=opts.steps - run.step)
         for step in bar:
-            batch = windows.batch(
-                rank_samples(step, global_batch, accelerator.process_index, accelerator.num_processes)
-            )
-            loss = _train_step(accelerator, prepared, original, batch.to(device), opts)  # batch (B·A, window)
-            accelerator.clip_grad_norm_(list(trainable.values()), 1.0)
-            factor = scheduler.lr_lambdas[0](step)  # the rate's factor this step trained at
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            samples = rank_samples(step, global_batch, accelerator.process_index, accelerator.num_processes)
+            batch = self.windows.batch(samples).to(accelerator.device)  # (B·A, window)
+            loss = _train_step(accelerator, self.prepared, self.original, batch, opts)
+            accelerator.clip_grad_norm_(list(self.trainable.values()), 1.0)
+            factor = self.scheduler.lr_lambdas[0](step)  # the rate's factor this step trained at
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
             kl = float(accelerator.reduce(loss, "mean"))
             seconds = seconds_before + time.perf_counter() - start
             run.record(step, kl, factor, seconds)
@@ -167,19 +203,17 @@ def train(model, original, train, eval_ids: torch.Tensor, opts: HealOptions, sta
                 and step + 1 < opts.steps
             ):
                 run.step, run.seconds = step + 1, seconds
-                save_checkpoint(state_dir, accelerator, run, trainable, optimizer, track, _signature(opts, accelerator))
+                signature = _signature(opts, accelerator)
+                save_checkpoint(state_dir, accelerator, run, self.trainable, self.optimizer, track, signature)
         run.step, run.seconds = opts.steps, seconds_before + time.perf_counter() - start
-    finally:
-        if opts.gradient_checkpointing:
-            _checkpointing(live, False)
-        for name, p in live.named_parameters():
-            p.requires_grad_(flags.get(name, p.requires_grad))
-        live.eval()
-    with phase("held-out figures after healing", shown):
-        after = _measure(original, live, eval_ids, opts.eval_window)
-    if accelerator.log_with:
-        accelerator.log({"held_out/ppl_ratio": after["ppl_ratio"], "held_out/kl": after["kl_mean"]}, step=opts.steps)
-        accelerator.end_training()
+
+
+def _figures(
+    opts: HealOptions, accelerator, run: TrainingState, steps: _Steps, global_batch: int, check_ids, texts, held_out
+) -> dict:
+    """The report's figures of a finished run: its settings, the training's, `texts` (train_tokens,
+    eval_tokens) and the `held_out` figures (before, after)."""
+    device, window = accelerator.device, steps.windows.window
     return {
         "steps": opts.steps,
         "lr": opts.lr,
@@ -192,21 +226,20 @@ def train(model, original, train, eval_ids: torch.Tensor, opts: HealOptions, sta
         "mixed_precision": accelerator.mixed_precision,
         "distributed": str(accelerator.distributed_type).split(".")[-1],
         "seed": opts.seed,
-        "train_tokens": train_tokens,
-        "tokens_trained": opts.steps * global_batch * windows.window,
-        "eval_tokens": int(eval_ids.shape[-1]),
-        "trained_parameters": sum(p.numel() for p in trainable.values()),
+        "train_tokens": texts["train_tokens"],
+        "tokens_trained": opts.steps * global_batch * window,
+        "eval_tokens": texts["eval_tokens"],
+        "trained_parameters": sum(p.numel() for p in steps.trainable.values()),
         "train_kl_first": run.history[0]["kl"] if run.history else None,
         "train_kl_last": run.history[-1]["kl"] if run.history else None,
         "history": run.history,
-        "checks": track.report(int(check_ids.shape[-1])) if track else None,
+        "checks": steps.track.report(int(check_ids.shape[-1])) if steps.track else None,
         "seconds": run.seconds,
-        "tokens_per_second": opts.steps * global_batch * windows.window / run.seconds if run.seconds else None,
+        "tokens_per_second": opts.steps * global_batch * window / run.seconds if run.seconds else None,
         "device": str(device),
         "peak_device_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-        "before": before,
-        "after": after,
-    }, accelerator
+        **held_out,
+    }
 
 
 def _train_step(accelerator, model, original, batch: torch.Tensor, opts: HealOptions) -> torch.Tensor:
