@@ -103,18 +103,21 @@ def _export(source, state_dict, opts):
                 "frequency set): verification judges it by perplexity on real text, so pass --text FILE (a text "
                 "unlike --calib) and --max-ppl-ratio R (e.g. 1.1), or --no-verify"
             )
-    choices = _calibrated(source, view, spec, config, opts, biased) if opts.calib is not None else ExportChoices()
+    choices = ExportChoices()
+    if opts.calib is not None:
+        choices = _calibrated(source, view, spec, config, opts, biased, calibrate)
     layout, export_config, tensors = stream_export(state_dict, config, view, spec, choices)
     return layout, export_config, tensors, spec
 
 
-def _calibrated(source, view, spec: AttentionSpec, config: dict, opts, biased: list[str]) -> ExportChoices:
+def _calibrated(source, view, spec: AttentionSpec, config: dict, opts, biased: list[str], lossy: bool) -> ExportChoices:
     """The export's choices from --calib: the statistics (with the rotation stand-in's fit when the
     export is lossy, the attention outputs' moments for an o_proj bias, the Fisher rows when the
-    latent is compressed) and, when asked, the compressed latent's sequential calibration."""
+    latent is compressed) and, when asked, the compressed latent's sequential calibration. lossy:
+    `needs_calibration` of the export (the stand-in for the dropped rotations is fitted)."""
     ids = calibration_ids(source, opts)
     bar = progress_bar("calibrating", "layer", opts.progress)
-    rotation_fit = rotation_fit_observer(view, spec, config) if needs_calibration(spec, config, bool(biased)) else None
+    rotation_fit = rotation_fit_observer(view, spec, config) if lossy else None
     observe = observers(rotation_fit, output_observer() if "o" in biased else None)
     stats = compress.calibrate(source, config, ids, spec.n_layers, progress=bar, observe=observe)
     if not needs_compression(spec, config["hidden_size"]):
