@@ -179,22 +179,19 @@ def load_strict(model, state: dict, where) -> None:
 def fill_strict(model, checkpoint, where) -> None:
     """`load_strict` from a checkpoint, a tensor at a time, never a second copy of the model (a state
     dict) in memory. On the CPU a tensor stored in the model's dtype is not copied at all: the model
-    takes the file's own tensor (`Checkpoint.mapped`, as transformers' `from_pretrained` does), read
-    at first use; any other is read straight into the model's tensor (`Checkpoint.read_into`: to
-    another dtype or device, a chunk at a time)."""
+    takes the file's own tensor (`Checkpoint.get`: a view of its copy-on-write mapping, as transformers'
+    `from_pretrained` loads), read at first use; any other is read straight into the model's tensor
+    (`read_into`: to another dtype or device, a chunk at a time; from a state dict, a copy)."""
     targets = model.state_dict(keep_vars=True)
     names = set(checkpoint.keys())
     tied = _check_names(model, set(targets) - names, names - set(targets), where)
-    read_into = getattr(checkpoint, "read_into", None)
     with torch.no_grad():
         for name in sorted(names):
             target = targets[name]
             if _mappable(checkpoint, name, target):
-                target.data = checkpoint.mapped(name)  # the parameter keeps its identity (and ties)
-            elif read_into is not None:
-                read_into(name, target)
-            else:  # an in-memory source (a state dict)
-                target.copy_(checkpoint.get(name))
+                target.data = checkpoint.get(name)  # the parameter keeps its identity (and ties)
+            else:
+                checkpoint.read_into(name, target)
     if tied:
         model.tie_weights()
 

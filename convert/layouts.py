@@ -26,10 +26,11 @@ class VirtualTensor:
 
 
 class TensorView:
-    """A checkpoint (or `StateDictSource`) with `virtual` tensors in place of their members.
+    """A `TensorSource` (a checkpoint or `StateDictSource`, `stored`) with `virtual` tensors in place of their members.
 
-    Read-only: it adds virtual tensors assembled from stored ones, hides those, and hands everything
-    else (raw bytes, config, paths) to the checkpoint it wraps (`stored`).
+    Read-only: it adds virtual tensors assembled from stored ones and hides those; every other tensor,
+    and the stored source's file-level facts (`config`, `path`, `root`, `files`, `total_bytes`, `close`),
+    are the stored source's. It has `stored`'s extras `get`, `read_into` and `raw_chunks` too.
     """
 
     def __init__(self, stored, virtual: dict[str, VirtualTensor]):
@@ -37,9 +38,21 @@ class TensorView:
         self.hidden = {member for tensor in virtual.values() for member in tensor.members}
         self._keys = [k for k in stored.keys() if k not in self.hidden] + list(virtual)
 
-    def __getattr__(self, name: str):
-        return getattr(self.stored, name)
+    # -- the stored source's own facts (AttributeError where it has none: a state dict has no path)
+    config = property(lambda self: self.stored.config, doc="The stored source's config.json dict (or None).")
+    path = property(lambda self: self.stored.path, doc="The stored checkpoint's path, as opened.")
+    root = property(lambda self: self.stored.root, doc="The stored checkpoint's model directory.")
+    files = property(lambda self: self.stored.files, doc="The stored checkpoint's safetensors files.")
 
+    def total_bytes(self) -> int:
+        """The stored tensors' bytes (a virtual tensor rearranges the bytes it hides)."""
+        return self.stored.total_bytes()
+
+    def close(self) -> None:
+        """Close the stored source (its mapped pages leave memory)."""
+        self.stored.close()
+
+    # -- TensorSource
     def keys(self) -> list[str]:
         return list(self._keys)
 
@@ -52,44 +65,38 @@ class TensorView:
     def dtype(self, name: str) -> torch.dtype:
         return self.virtual[name].dtype if name in self.virtual else self.stored.dtype(name)
 
-    def entry(self, name: str):
-        """The stored record (file, …) of a tensor; a virtual tensor's first member's."""
-        return self.stored.entry(self.virtual[name].members[0] if name in self.virtual else name)
-
-    def _reader(self, method: str) -> Callable[[str], torch.Tensor]:
-        return getattr(self.stored, method, self.stored.get)
-
-    def get(self, name: str) -> torch.Tensor:
-        if name in self.virtual:
-            return self.virtual[name].assemble(self.stored.get)
-        return self.stored.get(name)
-
     def read(self, name: str) -> torch.Tensor:
+        """A stored tensor as `stored.read` gives it; a virtual one assembled from such reads."""
         if name in self.virtual:
-            return self.virtual[name].assemble(self._reader("read"))
-        return self._reader("read")(name)
-
-    def read_into(self, name: str, target: torch.Tensor) -> None:
-        """`Checkpoint.read_into` of a stored tensor; a virtual one is assembled, then copied."""
-        stored_read_into = getattr(self.stored, "read_into", None)
-        if name not in self.virtual and stored_read_into is not None:
-            return stored_read_into(name, target)
-        with torch.no_grad():
-            target.copy_(self.read(name))
-
-    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        if name in self.virtual:
-            return self.get(name)[start:stop]
-        return self.stored.get_rows(name, start, stop)
+            return self.virtual[name].assemble(self.stored.read)
+        return self.stored.read(name)
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         if name in self.virtual:
             return self.read(name)[start:stop]
-        return getattr(self.stored, "read_rows", self.stored.get_rows)(name, start, stop)
+        return self.stored.read_rows(name, start, stop)
 
     def raw_span(self, name: str):
-        """`Checkpoint.raw_span` of a stored tensor; None for a virtual one (it is assembled)."""
+        """`stored.raw_span` of a stored tensor; None for a virtual one (it is assembled)."""
         return None if name in self.virtual else self.stored.raw_span(name)
+
+    # -- extras of the stored source
+    def entry(self, name: str):
+        """The stored record (file, …) of a tensor; a virtual tensor's first member's."""
+        return self.stored.entry(self.virtual[name].members[0] if name in self.virtual else name)
+
+    def get(self, name: str) -> torch.Tensor:
+        """`stored.get` of a stored tensor (no copy); a virtual one assembled from such tensors."""
+        if name in self.virtual:
+            return self.virtual[name].assemble(self.stored.get)
+        return self.stored.get(name)
+
+    def read_into(self, name: str, target: torch.Tensor) -> None:
+        """`stored.read_into` of a stored tensor; a virtual one is assembled, then copied."""
+        if name not in self.virtual:
+            return self.stored.read_into(name, target)
+        with torch.no_grad():
+            target.copy_(self.read(name))
 
     def raw_chunks(self, name: str, size: int | None = None):
         """Stored bytes in pieces (`Checkpoint.raw_chunks`); a virtual tensor in one piece, as

@@ -16,7 +16,8 @@ PROJECTIONS = ("q", "k", "v", "o")
 
 
 class StateDictSource:
-    """An in-memory state dict with the read interface of `convert.io.Checkpoint`."""
+    """An in-memory state dict as a `TensorSource` (`convert.io.tensor_source`), with `Checkpoint`'s
+    `get` and `read_into`. Its tensors are the dict's own: `get` and `read` give the same tensor."""
 
     def __init__(self, state_dict: dict[str, torch.Tensor], config: dict | None):
         self.state_dict, self.config = state_dict, config
@@ -38,15 +39,25 @@ class StateDictSource:
         return self.state_dict[name].dtype
 
     def get(self, name: str) -> torch.Tensor:
+        """The dict's own tensor (a `LazyTensors` dict reads it: `Checkpoint.read`)."""
         return self.state_dict[name]
 
-    read = get  # a file-backed checkpoint reads without mapping; in memory both are the tensor
+    def read(self, name: str) -> torch.Tensor:
+        """As `get`: in memory there is no mapping to keep clear of."""
+        return self.state_dict[name]
 
-    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows start:stop of a tensor (the embedding / lm_head, read in pieces when streaming)."""
         return self.state_dict[name][start:stop]
 
-    read_rows = get_rows
+    def read_into(self, name: str, target: torch.Tensor) -> None:
+        """Copy the tensor into `target` (any dtype and device), as `Checkpoint.read_into` reads it."""
+        with torch.no_grad():
+            target.copy_(self.state_dict[name])
+
+    def raw_span(self, name: str) -> None:
+        """None: an in-memory tensor has no stored bytes to copy."""
+        return None
 
 
 class LazyTensors(Mapping):
@@ -157,7 +168,7 @@ def read_layer(source, spec: AttentionSpec, layer: int) -> LayerWeights:
     """Load one layer's attention tensors, refusing NaN/Inf with the tensor's name. From a
     checkpoint they are read with plain file reads (`Checkpoint.read`), not through its mapping,
     whose pages would stay resident until the checkpoint closes."""
-    read = getattr(source, "read", source.get)
+    read = source.read
     tensors = {}
     for proj in PROJECTIONS:
         for kind, field in (("weight", proj), ("bias", f"{proj}_bias")):

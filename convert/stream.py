@@ -40,17 +40,15 @@ def materialize(build, checkpoint, prefix: str, device, dtype) -> torch.nn.Modul
         module = build().to(device=device, dtype=dtype)
     else:
         module = module.to(dtype).to_empty(device=device)
-    read = getattr(checkpoint, "read", checkpoint.get)  # plain reads where the checkpoint has them
-    with torch.no_grad():
+    with torch.no_grad():  # plain reads (`TensorSource.read`), not a file's mapping
         for name, target in module.state_dict(keep_vars=True).items():
-            target.copy_(read(prefix + name))
+            target.copy_(checkpoint.read(prefix + name))
     return module.eval()
 
 
 def checkpoint_tensors(checkpoint, prefix: str) -> dict[str, torch.Tensor]:
-    """The tensors under `prefix`, named relative to it."""
-    read = getattr(checkpoint, "read", checkpoint.get)  # plain reads where the checkpoint has them
-    return {k[len(prefix) :]: read(k) for k in checkpoint.keys() if k.startswith(prefix)}
+    """The tensors under `prefix`, named relative to it (plain reads: `TensorSource.read`)."""
+    return {k[len(prefix) :]: checkpoint.read(k) for k in checkpoint.keys() if k.startswith(prefix)}
 
 
 def embedding_rows(checkpoint, name: str, token_ids: torch.Tensor) -> torch.Tensor:

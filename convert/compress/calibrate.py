@@ -173,7 +173,7 @@ def _loss_grad(stream: LayerStream, normed: torch.Tensor, rows: torch.Tensor, ch
     h = normed.reshape(-1, normed.shape[-1]).to(torch.promote_types(normed.dtype, torch.float32))  # (N, D)
     targets = torch.cat([rows[:, 1:], torch.full_like(rows[:, :1], -1)], 1).reshape(-1)  # (N,), -1: none
     vocab = stream.checkpoint.shape(name)[0]
-    read = getattr(stream.checkpoint, "read_rows", None) or stream.checkpoint.get_rows
+    read = stream.checkpoint.read_rows
 
     def logits(start: int):
         w = read(name, start, min(start + chunk, vocab)).to(h.device, h.dtype)  # (C, D)

@@ -1,5 +1,5 @@
-"""Checkpoint input/output: a validating lazy reader, an atomic sharded writer, and the rules
-for which output a run may create or replace (`check_output`, `output_lock`).
+"""Checkpoint input/output: a validating lazy reader, the `TensorSource` verbs every source of tensors
+answers, an atomic sharded writer, and which output a run may create or replace (`output_lock`).
 
 Its names load on first use (PEP 562): `convert.io.output` needs no torch, so the command line
 refuses an output it must not write before torch is imported."""
@@ -11,15 +11,16 @@ _HOME = {
     "check_output": "output",
     "default_output": "output",
     "output_lock": "output",
-    "SAFETENSORS_DTYPES": "reader",
-    "TORCH_TO_SAFETENSORS": "reader",
+    "SAFETENSORS_DTYPES": "header",
+    "TORCH_TO_SAFETENSORS": "header",
+    "TensorEntry": "header",
+    "dtype_itemsize": "header",
+    "read_header": "header",
     "Checkpoint": "reader",
-    "TensorEntry": "reader",
-    "dtype_itemsize": "reader",
     "open_checkpoint": "reader",
-    "read_header": "reader",
+    "TensorSource": "tensor_source",
     "CheckpointWriter": "writer",
-    "parse_size": "writer",
+    "parse_size": "shards",
 }
 
 __all__ = sorted(_HOME)

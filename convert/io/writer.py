@@ -1,23 +1,16 @@
 """Streaming, atomic, sharded safetensors writer: a checkpoint written while the caller computes the next layer.
 
-A failed or interrupted run leaves no half-written output.
+Shards are planned up front (`convert.io.shards`) and filled by background threads (`convert.io.write_behind`);
+a failed or interrupted run leaves no half-written output.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
-import math
 import os
-import queue
-import re
 import shutil
-import struct
-import threading
 from contextlib import AbstractContextManager, ExitStack
-from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
@@ -25,73 +18,15 @@ import torch
 
 from convert.errors import ConvertError
 from convert.io.atomic import environment_errors, fsync_dir, make_sibling, move_into_place, signals_deferred
-from convert.io.locate import INDEX_NAME, RAW_CHUNK, SINGLE_NAME
+from convert.io.locate import INDEX_NAME
 from convert.io.output import MANIFEST_NAME, check_output, finish_manifest, output_lock, start_manifest
-from convert.io.reader import TORCH_TO_SAFETENSORS, dtype_itemsize
+from convert.io.shards import Slot, assign_shards, check_metadata, header_bytes, parse_size, plan_slots
+from convert.io.write_behind import QUEUE_BYTES, Job, Span, WriteBehind
+
+# Importers of `convert.io.writer` find these here too.
+__all__ = ["QUEUE_BYTES", "CheckpointWriter", "parse_size"]
 
 log = logging.getLogger("convert")
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str | int) -> int:
-    """Parse a byte size: ``"5GB"`` -> 5*10**9, ``"2GiB"`` -> 2*2**30, ``"1000"`` -> 1000."""
-    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
-        return text
-    match = _SIZE_RE.match(str(text))
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ConvertError(f"--max-shard-size: cannot parse {str(text)!r}; use bytes or a unit like 5GB, 500MB, 2GiB")
-    try:
-        size = int(Decimal(match.group(1)) * _UNITS[unit])
-    except InvalidOperation:  # pragma: no cover - the regex admits only decimals
-        size = 0
-    if size <= 0:
-        raise ConvertError(f"--max-shard-size: {str(text)!r} is not a positive size; use e.g. 5GB, 500MB, 2GiB")
-    return size
-
-
-@dataclass
-class _Slot:
-    """Where one planned tensor goes."""
-
-    shard: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int = 0  # absolute offset in the shard file
-    nbytes: int = 0
-
-
-@dataclass
-class _Shard:
-    """One output file: its tensors in data order and its total size."""
-
-    names: list[str] = field(default_factory=list)
-    data_bytes: int = 0
-    filename: str = ""
-    file_size: int = 0
-
-
-def _shard_filename(index: int, count: int) -> str:
-    if count == 1:
-        return SINGLE_NAME
-    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -102,155 +37,9 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-QUEUE_BYTES = 64 * 2**20  # queued tensor bytes before write() waits for the writer thread
-SYNC_BYTES = 64 * 2**20  # written bytes per shard before the writer thread flushes them to disk
-
-
-@dataclass
-class _Span:
-    """`nbytes` bytes at `offset` of the file `path`: copied file to file, never through memory."""
-
-    path: Path
-    offset: int
-
-
-@dataclass
-class _Job:
-    """Bytes for one slot, `nbytes` long: `pieces` is a memoryview, an iterable of bytes read
-    lazily, or a `_Span` of another file."""
-
-    name: str
-    path: Path
-    offset: int
-    pieces: Any
-    nbytes: int
-    queued: int  # bytes held in memory while queued (0 for lazily read pieces)
-
-
-class _WriteBehind:
-    """One thread writing queued byte ranges into the shard files while the caller computes.
-
-    `submit` blocks while more than `limit` bytes are queued (one larger job is let through
-    alone). The first error is kept and raised by the next `submit` or `wait`; the jobs after it
-    are dropped. `sync` bytes written to a file since its last flush trigger an fdatasync on this
-    thread, so the disk works during the computation instead of all at commit.
-    """
-
-    def __init__(self, limit: int = QUEUE_BYTES, sync: int = SYNC_BYTES) -> None:
-        self._limit, self._sync = limit, sync
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._room = threading.Condition()
-        self._queued = 0
-        self._error: BaseException | None = None
-        self._stop = False
-        self._files: dict[Path, Any] = {}
-        self._unsynced: dict[Path, int] = {}
-        self._thread: threading.Thread | None = None
-
-    def submit(self, job: _Job) -> None:
-        self._raise()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="convert-writer", daemon=True)
-            self._thread.start()
-        with self._room:
-            while self._queued and self._queued + job.queued > self._limit and self._error is None:
-                self._room.wait()
-            self._queued += job.queued
-        self._jobs.put(job)
-
-    def wait(self) -> None:
-        """Until everything submitted is written (or failed); raises the first error."""
-        if self._thread is not None:
-            self._jobs.join()
-        self._raise()
-
-    def close(self) -> None:
-        """Stop (the job in progress ends at its next piece), join the thread, close the files."""
-        self._stop = True
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join()
-            self._thread = None
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            self._stop = True
-            raise error
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                if self._error is None and not self._stop:
-                    self._write(job)
-            except BaseException as error:  # handed to the caller's thread
-                self._error = error
-            finally:
-                with self._room:
-                    self._queued -= job.queued
-                    self._room.notify_all()
-                self._jobs.task_done()
-        self._jobs.task_done()
-
-    def _write(self, job: _Job) -> None:
-        f = self._files.get(job.path)
-        if f is None:
-            f = self._files[job.path] = open(job.path, "r+b")
-        if isinstance(job.pieces, _Span):
-            self._copy(job.pieces, f.fileno(), job.offset, job.nbytes)
-            self._written_to(job.path, f, job.nbytes)
-            return
-        f.seek(job.offset)
-        written = 0
-        for piece in [job.pieces] if isinstance(job.pieces, memoryview) else job.pieces:
-            if self._stop:
-                return
-            written += len(piece)
-            if written > job.nbytes:
-                break
-            f.write(piece)
-        if written != job.nbytes:
-            raise ConvertError(
-                f"tensor '{job.name}': got {written} bytes, plan needs {job.nbytes}; fix the plan or the data"
-            )
-        self._written_to(job.path, f, written)
-
-    def _written_to(self, path: Path, f, nbytes: int) -> None:
-        f.flush()  # readable by other handles once `wait` returns
-        self._unsynced[path] = self._unsynced.get(path, 0) + nbytes
-        if self._unsynced[path] >= self._sync:
-            os.fdatasync(f.fileno())
-            self._unsynced[path] = 0
-
-    def _copy(self, span: _Span, out: int, offset: int, nbytes: int) -> None:
-        """Copy in the kernel (copy_file_range: no pass through this process's memory), or, where
-        the file systems refuse it, through one reused buffer."""
-        with open(span.path, "rb", buffering=0) as source:
-            done = 0
-            try:
-                while done < nbytes and not self._stop:
-                    step = os.copy_file_range(source.fileno(), out, nbytes - done, span.offset + done, offset + done)
-                    if step == 0:
-                        break
-                    done += step
-            except OSError as error:
-                if error.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                    raise
-            buffer = memoryview(bytearray(min(RAW_CHUNK, max(nbytes - done, 1))))
-            while done < nbytes and not self._stop:
-                step = os.preadv(source.fileno(), [buffer[: nbytes - done]], span.offset + done)
-                if step == 0:
-                    break
-                os.pwrite(out, buffer[:step], offset + done)
-                done += step
-        if done != nbytes and not self._stop:
-            raise ConvertError(
-                f"{span.path}: {nbytes - done} bytes missing at the end of a tensor (file shrank while open?); "
-                "re-download or re-export the checkpoint"
-            )
+def _open_shard(path: Path):
+    """A preallocated shard file, opened to be written in place (by the writer threads)."""
+    return open(path, "r+b")
 
 
 class CheckpointWriter:
@@ -288,13 +77,13 @@ class CheckpointWriter:
         self._path = Path(os.path.abspath(output))
         if max_shard_size <= 0:
             raise ConvertError(f"--max-shard-size: must be positive, got {max_shard_size}; use e.g. 5GB")
-        self._metadata = self._check_metadata(metadata)
-        self._slots = self._check_plan(plan)
-        self._shards = self._assign_shards(max_shard_size)
+        self._metadata = check_metadata(metadata)
+        self._slots = plan_slots(plan)
+        self._shards = assign_shards(self._slots, max_shard_size)
         self._written: set[str] = set()
         # Computed tensors and file-to-file copies on two threads: a tensor never waits in memory
         # behind a long copy of the embeddings.
-        self._behind, self._copies = _WriteBehind(), _WriteBehind()
+        self._behind, self._copies = WriteBehind(_open_shard), WriteBehind(_open_shard)
         self._done = False
         self._replaced: Path | None = None  # the previous output, moved away by commit()
         self._tmp: Path | None = None
@@ -312,73 +101,10 @@ class CheckpointWriter:
 
     # ------------------------------------------------------------ planning
 
-    @staticmethod
-    def _check_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
-        # transformers refuses safetensors files whose metadata lacks format=pt.
-        merged = {"format": "pt", **(metadata or {})}
-        for key, value in merged.items():
-            if not isinstance(key, str) or not isinstance(value, str):
-                raise ConvertError(
-                    f"safetensors metadata {key!r}: keys and values must be strings; convert them with str()"
-                )
-        return merged
-
-    @staticmethod
-    def _check_plan(plan: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, _Slot]:
-        slots: dict[str, _Slot] = {}
-        for name, (shape, dtype) in plan.items():
-            if name == "__metadata__":
-                raise ConvertError("tensor name '__metadata__' is reserved by safetensors; rename the tensor")
-            if dtype not in TORCH_TO_SAFETENSORS:
-                raise ConvertError(
-                    f"tensor '{name}': dtype {dtype} cannot be stored in safetensors; cast it to "
-                    "float32, float16 or bfloat16"
-                )
-            shape = tuple(int(d) for d in shape)
-            if any(d < 0 for d in shape):
-                raise ConvertError(f"tensor '{name}': negative dimension in planned shape {shape}; fix the plan")
-            nbytes = math.prod(shape) * dtype_itemsize(dtype)
-            slots[name] = _Slot(shard=-1, shape=shape, dtype=dtype, nbytes=nbytes)
-        return slots
-
-    def _assign_shards(self, max_shard_size: int) -> list[_Shard]:
-        shards = [_Shard()]
-        for name, slot in self._slots.items():
-            current = shards[-1]
-            if current.names and current.data_bytes + slot.nbytes > max_shard_size:
-                current = _Shard()
-                shards.append(current)
-            current.names.append(name)
-            current.data_bytes += slot.nbytes
-            slot.shard = len(shards) - 1
-        for i, shard in enumerate(shards):
-            shard.filename = _shard_filename(i, len(shards))
-        return shards
-
-    def _header_bytes(self, shard: _Shard) -> bytes:
-        """Lay out ``shard``'s tensors and return its padded header (length prefix included)."""
-        # Largest item size first keeps every tensor aligned to its element
-        # size (the data section starts at a multiple of 8), as safetensors does.
-        ordered = sorted(shard.names, key=lambda n: -dtype_itemsize(self._slots[n].dtype))
-        shard.names = ordered
-        header: dict[str, Any] = {"__metadata__": self._metadata}
-        cursor = 0
-        for name in ordered:
-            slot = self._slots[name]
-            header[name] = {
-                "dtype": TORCH_TO_SAFETENSORS[slot.dtype],
-                "shape": list(slot.shape),
-                "data_offsets": [cursor, cursor + slot.nbytes],
-            }
-            slot.offset = cursor  # relative for now; made absolute below
-            cursor += slot.nbytes
-        body = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        body += b" " * (-len(body) % 8)
-        return struct.pack("<Q", len(body)) + body
-
     def _preallocate(self) -> None:
+        """Every shard file: its header written, its data area reserved (sparse)."""
         for shard in self._shards:
-            head = self._header_bytes(shard)
+            head = header_bytes(shard, self._slots, self._metadata)
             for name in shard.names:
                 self._slots[name].offset += len(head)
             shard.file_size = len(head) + shard.data_bytes
@@ -400,7 +126,7 @@ class CheckpointWriter:
         """Shard file names, in order."""
         return [s.filename for s in self._shards]
 
-    def _slot_for(self, name: str, nbytes: int | None = None) -> _Slot:
+    def _slot_for(self, name: str, nbytes: int | None = None) -> Slot:
         self._check_open()
         slot = self._slots.get(name)
         if slot is None:
@@ -414,11 +140,11 @@ class CheckpointWriter:
             )
         return slot
 
-    def _put(self, name: str, slot: _Slot, pieces, queued: int) -> None:
+    def _put(self, name: str, slot: Slot, pieces, queued: int) -> None:
         path = self._tmp / self._shards[slot.shard].filename
         thread = self._behind if queued else self._copies
         with self._os_errors():
-            thread.submit(_Job(name, path, slot.offset, pieces, slot.nbytes, queued))
+            thread.submit(Job(name, path, slot.offset, pieces, slot.nbytes, queued))
         self._written.add(name)
 
     def flush(self) -> None:
@@ -455,7 +181,7 @@ class CheckpointWriter:
     def copy_span(self, name: str, path: Path, offset: int, nbytes: int) -> None:
         """Write planned tensor ``name`` as a copy of `nbytes` bytes at `offset` of the file `path`
         (its stored bytes in a source checkpoint): file to file by the writer thread."""
-        self._put(name, self._slot_for(name, nbytes), _Span(Path(path), offset), 0)
+        self._put(name, self._slot_for(name, nbytes), Span(Path(path), offset), 0)
 
     def _extra_path(self, filename: str) -> Path:
         self._check_open()

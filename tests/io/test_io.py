@@ -92,12 +92,12 @@ def test_keys_in_file_order(tmp_path: Path) -> None:
         assert ckpt.keys() == ["z", "a", "m"]
 
 
-def test_lazy_get_rows_and_raw_bytes(tmp_path: Path) -> None:
+def test_lazy_read_rows_and_raw_bytes(tmp_path: Path) -> None:
     t = torch.arange(60, dtype=torch.float32).reshape(10, 6).to(torch.bfloat16)
     save_file({"t": t, "u": torch.ones(2)}, str(tmp_path / "model.safetensors"))
     with open_checkpoint(tmp_path) as ckpt:
-        assert torch.equal(ckpt.get_rows("t", 2, 5), t[2:5])
-        assert torch.equal(ckpt.get_rows("t", 0, 10), t)
+        assert torch.equal(ckpt.read_rows("t", 2, 5), t[2:5])
+        assert torch.equal(ckpt.read_rows("t", 0, 10), t)
         assert ckpt.raw_bytes("t") == _bytes_of(t)
         assert ckpt.raw_bytes("u") == _bytes_of(torch.ones(2))
 
