@@ -159,7 +159,7 @@ def main(argv=None) -> int:
             continue
         t0 = time.perf_counter()
         converted = convert.convert_state_dict(model.state_dict(), config, layout=layout)
-        mla = converted.config["mla"]
+        mla = converted.mla
         module = build_mla_attention(mla, i, layer_tensors(converted, mla, i), rotary=rotary, dtype=dtype).to(device)
         for v in wanted:  # one module, its attention implementation set per call
             modules[v], impl[v] = module, "eager" if v.endswith("-eager") else "sdpa"

@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         convert.gqa2mla(src, out, layout=args.layout, verify=False, progress=False, force=True)
         convert_s = time.perf_counter() - t0
-        n_layers = read_mla_config(out)["mla"]["n_layers"]
+        n_layers = read_mla_config(out)[1].n_layers
         print(f"converted {src.name} ({args.layout}) in {convert_s:.1f} s; text {text}; device {device}", flush=True)
 
         configs = [(n, dt) for n in args.tokens for dt in args.dtypes]

@@ -169,7 +169,7 @@ def mla_attention(converted, layer: int, dtype=None, rotary=None):
     """Build `MLAAttention` for `layer` from a converted state dict (with `.config`)."""
     from convert.mla import build_mla_attention, layer_tensors
 
-    mla = converted.config["mla"]
+    mla = converted.mla
     return build_mla_attention(mla, layer, layer_tensors(converted, mla, layer), rotary=rotary, dtype=dtype)
 
 

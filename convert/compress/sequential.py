@@ -12,6 +12,7 @@ import torch
 from convert.compress.calibrate import normed_keys, windows
 from convert.compress.refine import NO_REFINEMENT, Refined, Refinement, refine_attention
 from convert.mla.attention import build_mla_attention
+from convert.mla.config import MLASection
 from convert.stream import LayerStream
 
 
@@ -76,7 +77,7 @@ class SequentialCalibration:
             stats.normed_keys = (k.T @ k / n, k0.T @ k / n)
         return stats
 
-    def advance(self, layer: int, mla: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def advance(self, layer: int, mla: MLASection, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run layer `layer` in both models: the original's attention, then the converted one
         (refined first when asked). Returns the converted tensors as run (refined or not)."""
         self._load(layer)

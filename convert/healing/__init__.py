@@ -200,7 +200,7 @@ def default_healed_output(converted: Path) -> Path:
 
 def _heal_directory(converted: Path, texts, original, eval_texts, output, training_dir, opts: HealOptions):
     export = is_export(converted)
-    config = json.loads((converted / "config.json").read_text()) if export else read_mla_config(converted)
+    config = json.loads((converted / "config.json").read_text()) if export else read_mla_config(converted)[0]
     original_path = _original_of(converted, original)
     output = Path(output) if output is not None else default_healed_output(converted)
     state_dir = Path(training_dir) if training_dir is not None else output.parent / f"{output.name}-training"

@@ -5,45 +5,12 @@ the latent) and factored (keys and values up-projected per head at run time, the
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 
 from convert.linalg.rope import latent_groups, latent_ungroup
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """rotate_half RoPE, the convention of HF Llama/Mistral/Qwen2, on the first cos.shape[-1] dims
-    of x; the others pass unrotated (partial RoPE's NoPE dims, and a latent's NoPE part)."""
-    rotary = cos.shape[-1]
-    if rotary == x.shape[-1]:
-        return _rotated(x, cos, sin)
-    head, tail = x[..., :rotary], x[..., rotary:]
-    return torch.cat([_rotated(head, cos, sin), tail], dim=-1)
-
-
-def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x·cos + rotate_half(x)·sin in one new tensor of x's size and memory layout (not three, and
-    not a contiguous copy: queries (B, H, L, d) viewed from a (B, L, H·d) projection keep that
-    layout, so SDPA's output, allocated like them, reshapes to (B, L, H·d) without a copy)."""
-    half = x.shape[-1] // 2
-    out = torch.empty_like(x)  # x's strides where x is dense
-    out[..., :half] = x[..., half:]
-    out[..., :half].neg_()
-    out[..., half:] = x[..., :half]
-    return out.mul_(sin).addcmul_(x, cos)
-
-
-def latent_cos_sin(cos: torch.Tensor, sin: torch.Tensor, freq_index: torch.Tensor):
-    """Source (…, d) cos/sin -> latent (…, r_K): pair p takes frequency freq_index[p].
-
-    Gathering from the source model's own cos/sin keeps every RoPE variant
-    (rope_theta, llama3/yarn/linear scaling, attention scaling) exactly as the
-    source computes it.
-    """
-    cos_p = cos.index_select(-1, freq_index)  # (…, P)
-    sin_p = sin.index_select(-1, freq_index)
-    return torch.cat([cos_p, cos_p], dim=-1), torch.cat([sin_p, sin_p], dim=-1)  # (…, 2P)
+from convert.mla.config import LayerEntry, MLASection
+from convert.mla.kernels import attend_eager, attend_sdpa, cols, linear_cols_add, linear_rows, sliceable
+from convert.mla.rope import apply_rope, cached_positions, latent_cos_sin
 
 
 class QKNorm(nn.Module):
@@ -81,8 +48,8 @@ class MLAAttention(nn.Module):
     def __init__(
         self,
         hidden_size: int,
-        mla: dict,
-        layer: dict,
+        mla: MLASection,
+        layer: LayerEntry,
         layer_idx: int,
         rotary=None,
         causal: bool = True,
@@ -91,56 +58,70 @@ class MLAAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window  # used only when no mask is passed in
-        self.layout, self.joint = mla["layout"], mla["latent"] == "joint"
-        self.n_heads, self.head_dim = mla["n_heads"], mla["head_dim"]
-        self.scaling = mla["softmax_scale"]
-        self.softcap = mla.get("softcap")  # Gemma 2: scores -> cap·tanh(scores/cap), before the mask
+        self.layout, self.joint = mla.layout, mla.joint
+        self.n_heads, self.head_dim = mla.n_heads, mla.head_dim
+        self.scaling = mla.softmax_scale
+        self.softcap = mla.softcap  # Gemma 2: scores -> cap·tanh(scores/cap), before the mask
         # "sdpa" (torch's fused kernels) or "eager" (explicit scores: the reference, and soft-capping)
         self.attn_impl = "sdpa"
-        self.rope = mla["rope"] is not None
+        self.rope = mla.has_rope
         self.is_causal = causal
-        rank_k = layer["rank_kv"] if self.joint else layer["rank_k"]
-        rank_v = layer["rank_kv"] if self.joint else layer["rank_v"]
-        self.rank_k, self.rank_v = rank_k, rank_v
-        bias = set(layer.get("bias", ()))
-        if self.joint:
-            self.kv_down = nn.Linear(hidden_size, rank_k, bias=False)
-        self.qk_norm = mla.get("qk_norm")  # None, "head" (per head) or "whole" (the whole projection)
-        self.n_kv_heads = mla["n_kv_heads"]
-        if not self.joint:
-            keys = self.n_kv_heads * self.head_dim
-            # q/k norm, compressed: the norm runs on every KV head's key, then `k_compress` caches r_K dims
-            compressed_norm = self.qk_norm is not None and rank_k < keys
-            self.k_down = nn.Linear(hidden_size, keys if compressed_norm else rank_k, bias="k_down" in bias)
-            self.k_compress = nn.Linear(keys, rank_k, bias=False) if compressed_norm else None
-            self.v_down = nn.Linear(hidden_size, rank_v, bias=False)
+        self.rank_k, self.rank_v = layer.key_rank, layer.value_rank
+        self.qk_norm = mla.qk_norm  # None, "head" (per head) or "whole" (the whole projection)
+        self.n_kv_heads = mla.n_kv_heads
+        bias = set(layer.bias)
+        self._latent_maps(hidden_size, bias)
         if self.qk_norm:
-            inner = self.n_heads * self.head_dim
-            whole = self.qk_norm == "whole"  # OLMo 2, whose norm also applies its weight in float32
-            offset = bool(mla.get("norm_unit_offset"))  # Gemma 3: (1 + weight)
-            self.q_proj = nn.Linear(hidden_size, inner, bias="q_proj" in bias)
-            self.q_norm = QKNorm(inner if whole else self.head_dim, mla["norm_eps"], whole, offset)
-            k_dim = self.n_kv_heads * self.head_dim if whole else self.head_dim
-            self.k_norm = QKNorm(k_dim, mla["norm_eps"], whole, offset)
-            self.k_up = nn.Linear(rank_k, inner, bias=False)
+            self._normed_maps(hidden_size, bias, mla.norm_eps, mla.norm_unit_offset)
         if self.layout == "absorbed":
-            if not self.qk_norm:
-                self.q_absorbed = nn.Linear(hidden_size, self.n_heads * rank_k, bias="q_absorbed" in bias)
-            self.o_absorbed = nn.Linear(self.n_heads * rank_v, hidden_size, bias="o_absorbed" in bias)
-            # Plain data, not a buffer: transformers' loaders re-create buffers they do not
-            # find in the checkpoint, and this one is config, not weights.
-            self.key_freq_index = tuple(layer.get("key_freq_index") or ())
-            self._freq_index: dict[torch.device, torch.Tensor] = {}
+            self._absorbed_maps(hidden_size, bias, layer.key_freq_index or ())
         else:
-            inner = self.n_heads * self.head_dim
-            if not self.qk_norm:
-                self.q_proj = nn.Linear(hidden_size, inner, bias="q_proj" in bias)
-                self.k_up = nn.Linear(rank_k, inner, bias=False)
-            self.v_up = nn.Linear(rank_v, inner, bias=False)
-            self.o_proj = nn.Linear(inner, hidden_size, bias="o_proj" in bias)
+            self._factored_maps(hidden_size, bias)
         # The source model's rotary embedding, shared and not a submodule: the
         # factored layout needs cos/sin of cached positions.
         object.__setattr__(self, "rotary", rotary)
+
+    def _latent_maps(self, hidden_size: int, bias: set[str]) -> None:
+        """The down-projections to the cached latents (joint: one)."""
+        rank_k, rank_v = self.rank_k, self.rank_v
+        if self.joint:
+            self.kv_down = nn.Linear(hidden_size, rank_k, bias=False)
+            return
+        keys = self.n_kv_heads * self.head_dim
+        # q/k norm, compressed: the norm runs on every KV head's key, then `k_compress` caches r_K dims
+        compressed_norm = self.qk_norm is not None and rank_k < keys
+        self.k_down = nn.Linear(hidden_size, keys if compressed_norm else rank_k, bias="k_down" in bias)
+        self.k_compress = nn.Linear(keys, rank_k, bias=False) if compressed_norm else None
+        self.v_down = nn.Linear(hidden_size, rank_v, bias=False)
+
+    def _normed_maps(self, hidden_size: int, bias: set[str], eps: float, offset: bool) -> None:
+        """With a q/k norm: the live query, the norms, and the key up-projection they need."""
+        inner = self.n_heads * self.head_dim
+        whole = self.qk_norm == "whole"  # OLMo 2, whose norm also applies its weight in float32
+        self.q_proj = nn.Linear(hidden_size, inner, bias="q_proj" in bias)
+        self.q_norm = QKNorm(inner if whole else self.head_dim, eps, whole, offset)  # offset: Gemma 3's (1 + weight)
+        k_dim = self.n_kv_heads * self.head_dim if whole else self.head_dim
+        self.k_norm = QKNorm(k_dim, eps, whole, offset)
+        self.k_up = nn.Linear(self.rank_k, inner, bias=False)
+
+    def _absorbed_maps(self, hidden_size: int, bias: set[str], key_freq_index: tuple[int, ...]) -> None:
+        """The absorbed layout: queries and outputs over the latent, and the latent pairs' frequencies."""
+        if not self.qk_norm:
+            self.q_absorbed = nn.Linear(hidden_size, self.n_heads * self.rank_k, bias="q_absorbed" in bias)
+        self.o_absorbed = nn.Linear(self.n_heads * self.rank_v, hidden_size, bias="o_absorbed" in bias)
+        # Plain data, not a buffer: transformers' loaders re-create buffers they do not
+        # find in the checkpoint, and this one is config, not weights.
+        self.key_freq_index = key_freq_index
+        self._freq_index: dict[torch.device, torch.Tensor] = {}
+
+    def _factored_maps(self, hidden_size: int, bias: set[str]) -> None:
+        """The factored layout: per-head queries, keys and values up from the latents, the output."""
+        inner = self.n_heads * self.head_dim
+        if not self.qk_norm:
+            self.q_proj = nn.Linear(hidden_size, inner, bias="q_proj" in bias)
+            self.k_up = nn.Linear(self.rank_k, inner, bias=False)
+        self.v_up = nn.Linear(self.rank_v, inner, bias=False)
+        self.o_proj = nn.Linear(inner, hidden_size, bias="o_proj" in bias)
 
     def freq_index(self, device: torch.device) -> torch.Tensor:
         """The source frequency of each key-latent pair (P,), as a tensor on `device`."""
@@ -181,8 +162,8 @@ class MLAAttention(nn.Module):
         W^UKᵀ applied to the normalised queries `q_heads` (B, H, L, d) at run time."""
         batch, length, _ = x.shape
         if not self.qk_norm:
-            rows = _cols(heads, self.rank_k)
-            q = _linear_rows(self.q_absorbed, x, rows, whole=self.n_heads * self.rank_k)  # (B, L, h·r_K)
+            rows = cols(heads, self.rank_k)
+            q = linear_rows(self.q_absorbed, x, rows, whole=self.n_heads * self.rank_k)  # (B, L, h·r_K)
             return q.view(batch, length, -1, self.rank_k).transpose(1, 2)
         up = self.k_up.weight.view(self.n_heads, self.head_dim, self.rank_k)[heads]  # (h, d, r_K)
         return torch.einsum("bhld,hdr->bhlr", q_heads[:, heads], up)
@@ -193,7 +174,7 @@ class MLAAttention(nn.Module):
         the original's (H·d queries, G·d keys). All heads at once for a decode step (L = 1), explicit
         scores (they are (B, H, L, S) anyway) and modules that are not plain `nn.Linear` (a PEFT
         adapter, a quantized or an offloaded layer: slicing their weights would bypass them)."""
-        plain = all(map(_sliceable, modules))
+        plain = all(map(sliceable, modules))
         sdpa = self.attn_impl == "sdpa" and self.softcap is None and not weights
         size = max(1, budget // per_head)
         if length == 1 or not sdpa or not plain or size >= self.n_heads:
@@ -220,70 +201,13 @@ class MLAAttention(nn.Module):
             # explicit scores on SDPA's behalf keep its zeros for a query that may see no key: NaN
             # there (a left-padded query, boolean mask) would reach every later layer through its values
             zero_empty = self.attn_impl != "eager"
-            out, probs = self._attend_eager(q, k, v, attention_mask, zero_empty)  # (B, H, L, f), (B, H, L, S)
+            out, probs = attend_eager(
+                q, k, v, attention_mask, self.scaling, self.softcap, self.is_causal, self.sliding_window, zero_empty
+            )  # (B, H, L, f), (B, H, L, S)
         else:
-            out, probs = self._attend_sdpa(q, k, v, attention_mask), None
+            out = attend_sdpa(q, k, v, attention_mask, self.scaling, self.is_causal, self.sliding_window)
+            probs = None
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1), (probs if weights else None)  # (B, L, H·f)
-
-    def _attend_eager(self, q, k, v, attention_mask, zero_empty: bool = False):
-        """Explicit (B, H, L, S) scores: the output (B, H, L, f) and the weights (B, H, L, S); a fully
-        masked row (boolean mask) gives NaN, or zeros with `zero_empty` (as SDPA does)."""
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling  # (B, H, L, S)
-        if self.softcap is not None:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-        if attention_mask is not None and attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask[..., : k.shape[-2]], float("-inf"))
-        elif attention_mask is not None:
-            scores = scores + attention_mask[..., : k.shape[-2]]
-        elif self.is_causal and q.shape[-2] > 1:
-            scores = scores + _causal_mask(q.shape[-2], k.shape[-2], scores, self.sliding_window)
-        # float32 at least, as transformers does for half precision; float64 stays float64
-        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
-        if zero_empty and attention_mask is not None and attention_mask.dtype == torch.bool:
-            probs = probs.masked_fill(~attention_mask[..., : k.shape[-2]].any(-1, keepdim=True), 0.0)
-        return torch.matmul(probs, v), probs  # (B, H, L, f), (B, H, L, S)
-
-    def _attend_sdpa(self, q, k, v, attention_mask):
-        """The same attention through SDPA (same masks; a fully masked row gives 0, not NaN).
-
-        The latent (k.shape[1] == 1) is shared by all heads and never copied per head: a
-        decode step folds the heads into the query length (few passes over the cache); a
-        prefill expands it over heads as a stride-0 view, which torch's fused CPU kernel
-        reads in place (`enable_gqa` would do the same but needs torch >= 2.5). Masks
-        broadcast over heads: at most (B, 1, L, S), never (B, H, L, S).
-        """
-        n_heads, length, seq = q.shape[1], q.shape[2], k.shape[-2]
-        mask, causal = attention_mask, False
-        if mask is not None:
-            mask = mask[..., :seq]
-            if mask.dtype != torch.bool and mask.dtype != q.dtype:
-                mask = mask.to(q.dtype)  # SDPA takes an additive mask in the query's dtype only
-        elif self.is_causal and length > 1:
-            if length == seq and self.sliding_window is None:
-                causal = True  # SDPA's causal mask is top-left aligned: right only without cached keys
-            else:
-                mask = _causal_mask(length, seq, q, self.sliding_window)  # (L, S)
-        if k.shape[1] != n_heads and length == 1:
-            return self._decode_shared_latent(q, k, v, mask)
-        value_dim = v.shape[-1]
-        q, k, v = _same_head_dim(q, k, v)
-        if k.shape[1] != n_heads:
-            k, v = k.expand(-1, n_heads, -1, -1), v.expand(-1, n_heads, -1, -1)  # stride-0 views
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling)
-        return out[..., :value_dim]  # (B, H, L, f)
-
-    def _decode_shared_latent(self, q, k, v, mask):
-        """One query per head against the shared latent: the heads folded into the query length
-        of `groups` work items, each reading the cache once (MQA) instead of once per head."""
-        batch, n_heads = q.shape[:2]
-        groups = _decode_groups(n_heads, batch, q.device)
-        q = q.reshape(batch, groups, n_heads // groups, q.shape[-1])  # (B, g, H/g, e)
-        k, v = k.expand(-1, groups, -1, -1), v.expand(-1, groups, -1, -1)  # (B, g, S, ·), stride-0 views
-        if mask is not None and mask.dim() == 4:
-            mask = mask.expand(-1, n_heads, -1, -1)  # (B|1, H, 1, S), a view
-            mask = mask.reshape(mask.shape[0], groups, n_heads // groups, -1)  # (B|1, g, H/g, S)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)  # (B, g, H/g, f)
-        return out.reshape(batch, n_heads, 1, -1)  # (B, H, 1, f)
 
     def _absorbed(self, x, position_embeddings, attention_mask, cache, weights: bool = False):
         c_k, c_v = self.latents(x)  # (B, L, r_K), (B, L, r_V)
@@ -301,7 +225,7 @@ class MLAAttention(nn.Module):
         out = probs = None
         for heads in self._head_chunks(x.shape[1], weights, self.rank_k, width, (queries, self.o_absorbed)):
             o, probs = self._attend(self._rotated_query(x, heads, q_heads, rotary), k, v, attention_mask, weights)
-            out = _linear_cols_add(self.o_absorbed, o, _cols(heads, self.rank_v), self.n_heads * self.rank_v, out)
+            out = linear_cols_add(self.o_absorbed, o, cols(heads, self.rank_v), self.n_heads * self.rank_v, out)
             del o  # (B, L, h·r_V): not held through the next chunk's attention
         return out, probs
 
@@ -348,16 +272,16 @@ class MLAAttention(nn.Module):
         for heads in self._head_chunks(x.shape[1], weights, self.head_dim, keys, modules):
             k, v = self._keys_values(c_k[:, 0], c_v[:, 0], heads, (k_cos, k_sin) if self.rope else None)
             o, probs = self._attend(q[:, heads], k, v, attention_mask, weights)
-            out = _linear_cols_add(self.o_proj, o, _cols(heads, self.head_dim), self.n_heads * self.head_dim, out)
+            out = linear_cols_add(self.o_proj, o, cols(heads, self.head_dim), self.n_heads * self.head_dim, out)
             del k, v, o  # (B, h, S, d), (B, L, h·d): not held through the next chunk's
         return out, probs
 
     def _keys_values(self, c_k, c_v, heads: slice, rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents (B, S, r) -> the keys and values of `heads` (B, h, S, d), keys rotated when `rotary`."""
         batch, seq = c_k.shape[:2]
-        rows, whole = _cols(heads, self.head_dim), self.n_heads * self.head_dim
-        k = _linear_rows(self.k_up, c_k, rows, whole).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        v = _linear_rows(self.v_up, c_v, rows, whole).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        rows, whole = cols(heads, self.head_dim), self.n_heads * self.head_dim
+        k = linear_rows(self.k_up, c_k, rows, whole).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = linear_rows(self.v_up, c_v, rows, whole).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         return (apply_rope(k, *rotary) if rotary is not None else k), v
 
     def _key_cos_sin(self, cache, position_embeddings, positions, x):
@@ -367,12 +291,12 @@ class MLAAttention(nn.Module):
             return position_embeddings
         if self.rotary is None or positions is None:
             raise RuntimeError("the factored RoPE layout needs position_ids and the model's rotary embedding to decode")
-        key_positions = _cached_positions(cache.layers[self.layer_idx], positions.expand(x.shape[0], -1))  # (B, S)
+        key_positions = cached_positions(cache.layers[self.layer_idx], positions.expand(x.shape[0], -1))  # (B, S)
         return self.rotary(x, key_positions)
 
 
 def build_mla_attention(
-    mla: dict,
+    mla: MLASection,
     layer: int,
     tensors: dict[str, torch.Tensor] | None = None,
     *,
@@ -386,12 +310,12 @@ def build_mla_attention(
     strictly; None leaves the weights uninitialised. dtype: default the tensors'.
     """
     module = MLAAttention(
-        mla["hidden_size"],
+        mla.hidden_size,
         mla,
-        mla["layers"][layer],
+        mla.layers[layer],
         layer,
         rotary=rotary,
-        causal=mla["causal"],
+        causal=mla.causal,
         sliding_window=sliding_window,
     )
     dtype = dtype or (next(iter(tensors.values())).dtype if tensors else None)
@@ -403,114 +327,7 @@ def build_mla_attention(
     return module.eval()
 
 
-def layer_tensors(state: dict[str, torch.Tensor], mla: dict, layer: int) -> dict[str, torch.Tensor]:
+def layer_tensors(state: dict[str, torch.Tensor], mla: MLASection, layer: int) -> dict[str, torch.Tensor]:
     """One layer's converted tensors out of a whole state dict, named relative to its prefix."""
-    prefix = mla["layer_prefix"].format(i=layer)
+    prefix = mla.prefix(layer)
     return {name[len(prefix) :]: t for name, t in state.items() if name.startswith(prefix)}
-
-
-def _cached_positions(layer, positions: torch.Tensor) -> torch.Tensor:
-    """The positions (B, S) of the keys `layer` (a transformers cache layer, just updated with this
-    call's latents) returns. A twin layer of the same kind stores them (B, 1, S, 1) and so keeps
-    them in step through everything the kind does: grow, slide, roll, static slots (then the
-    returned slots past the written ones are masked, as the latents' are). A layer emptied since
-    (`Cache.reset`, or a new sequence in a reused static cache) gets a new twin at its prefill."""
-    twin = getattr(layer, "mla_positions", None)
-    if twin is None or (positions.shape[-1] > 1 and _starts_anew(layer, positions.shape[-1])):
-        layer.mla_positions = twin = _twin_layer(layer)
-    stored = positions[:, None, :, None]  # (B, 1, L, 1): as keys, with no values (B, 1, L, 0)
-    keys, _ = twin.update(stored, stored[..., :0])  # (B, 1, S, 1)
-    return keys[:, 0, :, 0]  # (B, S)
-
-
-def _starts_anew(layer, length: int) -> bool:
-    """Whether `layer` holds only this call's `length` keys (its length is a tensor in static layers:
-    read here at a prefill, never in a decode step)."""
-    return int(layer.get_seq_length()) == length
-
-
-def _twin_layer(layer):
-    """An empty cache layer of `layer`'s kind (its window, its static size)."""
-    if isinstance(layer, StaticSlidingWindowLayer):
-        return StaticSlidingWindowLayer(max_cache_len=layer.max_cache_len, sliding_window=layer.max_cache_len)
-    if isinstance(layer, StaticLayer):
-        return StaticLayer(max_cache_len=layer.max_cache_len)
-    if isinstance(layer, DynamicSlidingWindowLayer):
-        return DynamicSlidingWindowLayer(sliding_window=layer.sliding_window)
-    return DynamicLayer()
-
-
-def _sliceable(module: nn.Module) -> bool:
-    """A plain `nn.Linear`, run by nothing but its own forward: no subclass, no hook, no forward
-    replaced on the instance (accelerate's offloading does that to put the weights in place)."""
-    plain = type(module) is nn.Linear and "forward" not in vars(module)
-    return plain and not module._forward_hooks and not module._forward_pre_hooks
-
-
-def _cols(heads: slice, width: int) -> slice:
-    """The features of `heads` in a (…, H·width) projection."""
-    return slice(heads.start * width, heads.stop * width)
-
-
-def _linear_rows(linear: nn.Linear, x: torch.Tensor, rows: slice, whole: int) -> torch.Tensor:
-    """linear(x)[..., rows] computing only those output features (the module itself when `rows`
-    covers all `whole` of them: a wrapped or quantized module runs as it is)."""
-    if rows.start == 0 and rows.stop == whole:
-        return linear(x)
-    bias = None if linear.bias is None else linear.bias[rows]
-    return F.linear(x, linear.weight[rows], bias)
-
-
-def _linear_cols_add(linear: nn.Linear, x: torch.Tensor, cols: slice, whole: int, out: torch.Tensor | None):
-    """out + linear restricted to input features `cols` applied to x (B, L, |cols|); the bias once,
-    with the first chunk (`out` None). All `whole` input features: the module itself."""
-    if out is None and cols.start == 0 and cols.stop == whole:
-        return linear(x)
-    weight = linear.weight[:, cols]  # (D, |cols|)
-    if out is None:
-        return F.linear(x, weight, linear.bias)
-    flat = out.view(-1, out.shape[-1])  # (B·L, D): accumulated in place, no (B, L, D) temporary
-    # in out's dtype: autocast, which gave the first chunk's product its dtype, does not cover addmm_
-    flat.addmm_(x.reshape(-1, x.shape[-1]).to(out.dtype), weight.t().to(out.dtype))
-    return out
-
-
-def _decode_groups(n_heads: int, batch: int, device: torch.device) -> int:
-    """Work items per sequence for a decode step over the shared latent. torch's CPU kernel gives
-    each (sequence, group) one thread: as many groups as threads per sequence (one group leaves
-    the other threads idle; one per head reads the cache H times, slower even single-threaded).
-    Elsewhere one per head, as for GQA (not measured here)."""
-    if device.type != "cpu":
-        return n_heads
-    most = max(1, _cpu_threads() // batch)
-    return max(g for g in range(1, min(n_heads, most) + 1) if n_heads % g == 0)
-
-
-@torch.compiler.assume_constant_result
-def _cpu_threads() -> int:
-    """torch's intra-op thread count. A constant to torch.compile, which cannot put the int that
-    `torch.get_num_threads()` returns in a graph (a graph break in every decode step, an error with
-    fullgraph=True): a compiled decode step keeps the grouping it was traced with (the same values)."""
-    return torch.get_num_threads()
-
-
-def _same_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Zero-pad q, k or v to one head dim (r_K != r_V): torch's fused CPU kernel needs it, else
-    SDPA falls back to its math backend and its (B, H, L, S) scores. Zero dims add nothing to
-    a score, and padded value dims are sliced off the output."""
-    e, f = k.shape[-1], v.shape[-1]
-    if e < f:
-        return F.pad(q, (0, f - e)), F.pad(k, (0, f - e)), v  # k still (B, 1, S, ·): padded once, not per head
-    if f < e:
-        return q, k, F.pad(v, (0, e - f))
-    return q, k, v
-
-
-def _causal_mask(length: int, total: int, like: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """Additive (L, S) causal mask for the last L of S positions (and a sliding window, as
-    transformers builds it: a query sees itself and the window − 1 keys before it)."""
-    offset = total - length
-    allowed = torch.ones(length, total, dtype=torch.bool, device=like.device).tril(offset)
-    if window is not None:
-        allowed &= ~torch.ones_like(allowed).tril(offset - window)
-    return torch.zeros(length, total, dtype=like.dtype, device=like.device).masked_fill(~allowed, float("-inf"))

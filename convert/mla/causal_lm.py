@@ -11,10 +11,11 @@ from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from convert.hf import empty_weights, family_causal_lm, layer_rotary, reference_attention
 from convert.mla.attention import MLAAttention, build_mla_attention
+from convert.mla.config import MLASection
 from convert.mla.format import MLA_MODEL_TYPE
 
 
-def swap_attention(model, mla: dict) -> None:
+def swap_attention(model, mla: MLASection) -> None:
     """Replace every decoder layer's attention with an MLAAttention (weights uninitialised)."""
     inner = model.model
     for i, layer in enumerate(inner.layers):
@@ -81,7 +82,7 @@ class MLAForCausalLM(PreTrainedModel, GenerationMixin):
             # kernels), boolean where padding or a window needs one; never a (B, 1, L, S) float mask
             fields = config.to_dict()
             source = family_causal_lm(fields, config.dtype or torch.float32, reference_attention(fields))
-            swap_attention(source, config.mla)
+            swap_attention(source, MLASection.parse(config.mla, "config.json"))  # checked as it is loaded
         self.model, self.lm_head = source.model, source.lm_head
         self._family = type(source)
         self._no_split_modules = source._no_split_modules  # the decoder layers: what FSDP wraps one by one

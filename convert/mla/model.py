@@ -16,22 +16,23 @@ from convert.io import open_checkpoint
 from convert.io.reader import dtype_itemsize
 from convert.mla.causal_lm import MLAForCausalLM
 from convert.mla.causal_lm import swap_attention as swap_attention  # re-exported: it lives beside MLAForCausalLM
+from convert.mla.config import MLASection
 from convert.mla.schema import check_converted
 from convert.options import TORCH_DTYPES, as_path
 
 
-def read_mla_config(path) -> dict:
-    """config.json of a converted directory; ConvertError if it has no `mla` section."""
+def read_mla_config(path) -> tuple[dict, MLASection]:
+    """config.json of a converted directory, and its `mla` section parsed and checked (against the
+    config and the tensors); ConvertError if it has no `mla` section."""
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise ConvertError(f"{path} has no config.json; point at a directory written by `convert gqa2mla`")
-    check_converted(path)
-    config = json.loads(config_path.read_text())
-    if "mla" not in config:
+    mla = check_converted(path)
+    if mla is None:
         raise ConvertError(
             f"{config_path} has no `mla` section; it is not a converted checkpoint (run `convert gqa2mla` first)"
         )
-    return config
+    return json.loads(config_path.read_text()), mla
 
 
 def _resolve_dtype(dtype, config: dict) -> torch.dtype:
@@ -98,7 +99,7 @@ def load_mla_model(path, device=None, dtype=None):
     latents only.
     """
     path = as_path("path", path)
-    config = read_mla_config(path)
+    config, _ = read_mla_config(path)
     device, dtype = _resolve_device(device), _resolve_dtype(dtype, config)
     try:
         model = _empty_mla_model(config, dtype, device)

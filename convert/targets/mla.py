@@ -13,6 +13,7 @@ from convert.compress.refine import Refinement
 from convert.compress.sequential import SequentialCalibration
 from convert.errors import ConvertError
 from convert.layouts import attention_view
+from convert.mla.config import MLASection
 from convert.mla.format import FORMAT_VERSION, output_config
 from convert.mla.model import build_mla_model, load_mla_model
 from convert.options import ConvertOptions
@@ -39,6 +40,11 @@ class MLAStateDict(dict):
     config: dict
     layers: list[LayerInfo]
     plan: ConversionPlan
+
+    @property
+    def mla(self) -> MLASection:
+        """The output config's `mla` section, typed (what `convert.mla.build_mla_attention` takes)."""
+        return MLASection.from_dict(self.config["mla"])
 
 
 def check(spec: AttentionSpec, opts: ConvertOptions) -> None:
@@ -149,7 +155,7 @@ def layer_tensors(source, plan: ConversionPlan, opts: ConvertOptions, stats, inf
     for layer, (tensors, info) in zip(layers, in_order(convert_one, range(spec.n_layers), workers)):
         infos.append(info)
         if sequential is not None:
-            mla = output_config(source.config, plan, opts, infos)["mla"]
+            mla = MLASection.from_dict(output_config(source.config, plan, opts, infos)["mla"])
             ran = sequential.advance(layer, mla, {name: tensors[name] for name in plan.layers[layer].shapes})
             if sequential.refinement.steps:  # the refined tensors are the conversion's
                 tensors = ran

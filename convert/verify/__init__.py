@@ -22,6 +22,7 @@ from convert.heap import release_freed_memory
 from convert.hf import source_fields
 from convert.io import open_checkpoint
 from convert.layouts import module_layout
+from convert.mla.config import MLASection
 from convert.mla.model import load_mla_model, read_mla_config
 from convert.options import VerifyOptions, dtype_name
 from convert.progress import phase, progress
@@ -118,8 +119,7 @@ def verify_with(original, converted, opts: VerifyOptions) -> dict:
     text, tokens, max_ppl_ratio = opts.text, opts.tokens, opts.max_ppl_ratio
     timings = _Timings()
     run_device = opts.torch_device
-    config = read_mla_config(converted)
-    mla = config["mla"]
+    config, mla = read_mla_config(converted)
     with open_checkpoint(original) as stored, open_checkpoint(converted) as conv:
         orig = module_layout(stored, config)  # Mixtral: experts stacked, as the converted checkpoint holds them
         _check_same_source(orig, config, converted)
@@ -129,8 +129,8 @@ def verify_with(original, converted, opts: VerifyOptions) -> dict:
         run_dtype = opts.run_dtype(ckpt_dtype)
         limits = thresholds(coarsest(run_dtype, ckpt_dtype), max_ppl_ratio)
         twin = twin_view(orig, config) if limits["noise_floor"] else None
-        run = VerifyRun(orig, conv, config, run_device, run_dtype, twin, ckpt_dtype)
-        runnable = mla["source_architecture"] != "seed"
+        run = VerifyRun(orig, conv, config, run_device, run_dtype, twin, ckpt_dtype, mla)
+        runnable = mla.source_architecture != "seed"
         with timings("tokens"):
             ids = _token_ids(text, orig, config, tokens, runnable)
         bar = lambda it: progress(it, "verifying", "layer", opts.progress)
@@ -203,9 +203,9 @@ def _same_bytes(orig, conv, name: str) -> bool:
         a, b = a[n:], b[n:]
 
 
-def copied_tensors_check(orig, conv, mla: dict) -> dict:
+def copied_tensors_check(orig, conv, mla: MLASection) -> dict:
     """Every tensor outside attention is copied byte for byte: compare each with the original's."""
-    prefixes = tuple(mla["layer_prefix"].format(i=i) for i in range(mla["n_layers"]))
+    prefixes = tuple(mla.prefix(i) for i in range(mla.n_layers))
     names = [n for n in conv.keys() if n in orig and not (prefixes and n.startswith(prefixes))]
     differ = [n for n in names if not _same_bytes(orig, conv, n)]
     failure = f"{len(differ)} tensor(s) copied from the original differ from it, e.g. {differ[0]!r}" if differ else ""

@@ -146,7 +146,7 @@ def streamed_end_to_end(
     greedy_ref, greedy_got, greedy_dtype = greedy or (None, None, None)
     ckpt_dtype = run.ckpt_dtype
     result = streamed.compare_streamed(run, ids.to(run.device))
-    cache_original, cache_converted = streamed.cache_bytes_per_token(run.config, ckpt_dtype)
+    cache_original, cache_converted = streamed.cache_bytes_per_token(run.mla, ckpt_dtype)
     return (
         result
         | greedy_fields(greedy_ref, greedy_got, ids, tokenizer, greedy_dtype)

@@ -40,12 +40,12 @@ def check_hf_layers(run: VerifyRun, token_ids: torch.Tensor | None, n_tokens: in
         results.append(_layer_result(run, layer, got, ref, twin))
 
     if token_ids is not None:
-        for layer, x, decoder, inputs in stream.run(token_ids, run.mla["n_layers"], progress):
+        for layer, x, decoder, inputs in stream.run(token_ids, run.mla.n_layers, progress):
             compare(layer, x, decoder.self_attn, inputs)
         return results
     generator = torch.Generator().manual_seed(0)
-    for layer in progress(range(run.mla["n_layers"])):
-        x = torch.randn(1, n_tokens, run.mla["hidden_size"], generator=generator).to(run.device, run.dtype)
+    for layer in progress(range(run.mla.n_layers)):
+        x = torch.randn(1, n_tokens, run.mla.hidden_size, generator=generator).to(run.device, run.dtype)
         compare(layer, x, stream.attention(layer), stream.inputs(layer, x))
     return results
 
@@ -56,8 +56,8 @@ def check_seed_layers(run: VerifyRun, n_tokens: int, progress) -> list[dict]:
     mla = run.mla
     generator = torch.Generator().manual_seed(0)
     results = []
-    for layer in progress(range(mla["n_layers"])):
-        x = torch.randn(1, n_tokens, mla["hidden_size"], generator=generator).to(run.device, run.dtype)
+    for layer in progress(range(mla.n_layers)):
+        x = torch.randn(1, n_tokens, mla.hidden_size, generator=generator).to(run.device, run.dtype)
         with torch.no_grad():
             ref = _seed_gqa(run, layer, run.original)(x, x)
             got = _mla_module(run, layer)(x)[0]
@@ -69,8 +69,8 @@ def check_seed_layers(run: VerifyRun, n_tokens: int, progress) -> list[dict]:
 def _seed_gqa(run: VerifyRun, layer: int, weights) -> MyGQA:
     """The seed's MyGQA of `layer` with the tensors of `weights` (the original, or its twin)."""
     mla = run.mla
-    d, hidden = mla["head_dim"], mla["hidden_size"]
-    module = MyGQA(hidden, hidden, d, d, mla["n_heads"], mla["n_kv_heads"])
+    d, hidden = mla.head_dim, mla.hidden_size
+    module = MyGQA(hidden, hidden, d, d, mla.n_heads, mla.n_kv_heads)
     return load_module(module, weights, run.prefix(layer), run.device, run.dtype)
 
 
@@ -78,8 +78,8 @@ def _layer_result(run: VerifyRun, layer: int, got: torch.Tensor, ref: torch.Tens
     """One layer's row of the report; with the twin's output, its errors as the layer's noise floor."""
     rel, max_abs = relative_error(got, ref)
     floor_rel, floor_max_abs = (None, None) if twin is None else relative_error(twin, ref)
-    entry = run.mla["layers"][layer]
-    ranks = {k: v for k, v in entry.items() if k.startswith("rank")}
+    entry = run.mla.layers[layer]
+    ranks = entry.ranks
     return {
         "layer": layer,
         "rel_error": rel,
@@ -87,6 +87,6 @@ def _layer_result(run: VerifyRun, layer: int, got: torch.Tensor, ref: torch.Tens
         "floor_rel_error": floor_rel,
         "floor_max_abs_error": floor_max_abs,
         "ranks": ranks,
-        "retained_energy": entry.get("retained_energy"),
-        "factor_error": entry.get("factor_error"),
+        "retained_energy": entry.retained_energy,
+        "factor_error": entry.factor_error,
     }

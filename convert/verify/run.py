@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from convert.io import Checkpoint
+from convert.mla.config import MLASection
 
 
 @dataclass(frozen=True)
@@ -19,10 +20,11 @@ class VerifyRun:
     dtype: torch.dtype  # the run's (`--dtype auto` resolved)
     twin: Checkpoint | None = None  # the original's equivalent twin (`convert.verify.twin`): the noise floor
     ckpt_dtype: torch.dtype | None = None  # the converted checkpoint's: KV-cache bytes are counted in it
+    mla: MLASection | None = None  # the converted config's section, parsed (None: an export's run)
 
-    @property
-    def mla(self) -> dict:
-        return self.config["mla"]
+    def __post_init__(self) -> None:
+        if self.mla is None and "mla" in self.config:  # built by hand (tests): parsed here
+            object.__setattr__(self, "mla", MLASection.parse(self.config["mla"], "config.json"))
 
     def prefix(self, layer: int) -> str:
-        return self.mla["layer_prefix"].format(i=layer)
+        return self.mla.prefix(layer)

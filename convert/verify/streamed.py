@@ -14,6 +14,7 @@ from convert.io import Checkpoint
 from convert.io.reader import dtype_itemsize
 from convert.layouts import module_layout
 from convert.mla.attention import build_mla_attention
+from convert.mla.config import MLASection
 from convert.stream import LayerStream, embedding_rows, materialize
 from convert.verify.run import VerifyRun
 
@@ -27,9 +28,9 @@ class _Stream:
         original, config, device, dtype = run.original, run.config, run.device, run.dtype
         self.original, self.converted, self.config = module_layout(original, config), run.converted, config
         self.twin = run.twin  # the original's equivalent twin (`convert.verify.twin`), run as a third stream
-        self.mla, self.device, self.dtype = config["mla"], device, dtype
+        self.mla, self.device, self.dtype = run.mla, device, dtype
         self.layers = LayerStream(original, config, device, dtype)
-        self.arch = ARCHS[self.mla["source_architecture"]]
+        self.arch = ARCHS[self.mla.source_architecture]
         # What Gemma's model forward adds around its layers: embeddings × √D, logits soft-capped.
         self.embed_scale = config["hidden_size"] ** 0.5 if self.arch.gemma_scores else None
         self.final_softcap = self.layers.final_softcap
@@ -82,7 +83,7 @@ def hidden_states(stream: _Stream, windows: list[torch.Tensor], progress=iter):
     got = [stream.embed(stream.converted, w) for w in windows]
     twin = None if stream.twin is None else list(ref)  # the twin's embeddings are the original's
     with torch.no_grad():
-        for layer in progress(range(stream.mla["n_layers"])):
+        for layer in progress(range(stream.mla.n_layers)):
             inputs = [stream.layers.inputs(layer, h) for h in ref]  # (positions, rotary, mask)
             builds = [(partial(stream.original_layer, layer), ref), (partial(stream.converted_layer, layer), got)]
             if twin is not None:
@@ -231,14 +232,12 @@ def _numel(shape) -> int:
     return out
 
 
-def cache_bytes_per_token(config: dict, ckpt_dtype: torch.dtype) -> tuple[float, float]:
+def cache_bytes_per_token(mla: MLASection, ckpt_dtype: torch.dtype) -> tuple[float, float]:
     """(original, converted) KV-cache bytes per token, in `ckpt_dtype`, from the configs: what
     `convert.mla.model.cache_bytes_per_token` measures on the whole models (tests check so)."""
-    mla = config["mla"]
     size = dtype_itemsize(ckpt_dtype)
-    original = mla["n_layers"] * 2 * mla["n_kv_heads"] * mla["head_dim"] * size
+    original = mla.n_layers * 2 * mla.n_kv_heads * mla.head_dim * size
     converted = 0
-    for layer in mla["layers"]:  # the latents (the factored layout's key positions are not counted)
-        ranks = layer["rank_kv"] if mla["latent"] == "joint" else layer["rank_k"] + layer["rank_v"]
-        converted += ranks * size
+    for layer in mla.layers:  # the latents (the factored layout's key positions are not counted)
+        converted += (layer.key_rank if mla.joint else layer.key_rank + layer.value_rank) * size
     return float(original), float(converted)

@@ -43,7 +43,7 @@ def _converted(case: str, layout: str):
 
 def _pair(converted, layer: int, dtype, **kwargs):
     """The same converted layer twice: through SDPA (the default) and eager."""
-    mla = converted.config["mla"]
+    mla = converted.mla
     sdpa = build_mla_attention(mla, layer, layer_tensors(converted, mla, layer), dtype=dtype, **kwargs)
     eager = copy.deepcopy(sdpa)
     eager.attn_impl = "eager"

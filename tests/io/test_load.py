@@ -115,9 +115,9 @@ def _logits(model) -> torch.Tensor:
 def reference_mla_model(out):
     """The converted model built as before loading was made fast: transformers' own class, randomly
     initialised, attention swapped, then overwritten with the checkpoint's tensors."""
-    config = read_mla_config(out)
+    config, mla = read_mla_config(out)
     model = AutoModelForCausalLM.from_config(hf_config(config, torch.float32), dtype=torch.float32)
-    swap_attention(model, config["mla"])
+    swap_attention(model, mla)
     missing, unexpected = model.load_state_dict(load_file(out / "model.safetensors"), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     return model.eval()
@@ -138,7 +138,7 @@ def test_no_load_path_initialises_weights(converted):
         with open_checkpoint(src) as original:
             load_original(original, config, "cpu", torch.float32)
         model = AutoModelForCausalLM.from_pretrained(src).eval()
-        convert.to_mla(model, layout=read_mla_config(out)["mla"]["layout"])
+        convert.to_mla(model, layout=read_mla_config(out)[1].layout)
 
 
 def test_no_export_path_initialises_weights(tmp_path):
@@ -153,7 +153,7 @@ def test_no_export_path_initialises_weights(tmp_path):
 def test_each_tensor_is_read_once_into_the_model(converted, monkeypatch, dtype):
     _, out = converted
     reads = []
-    mapped, read_into = Checkpoint.mapped, Checkpoint.read_into
+    get, read_into = Checkpoint.get, Checkpoint.read_into
 
     def counted(read):
         def count(self, name, *target):
@@ -162,9 +162,9 @@ def test_each_tensor_is_read_once_into_the_model(converted, monkeypatch, dtype):
 
         return count
 
-    monkeypatch.setattr(Checkpoint, "mapped", counted(mapped))
+    monkeypatch.setattr(Checkpoint, "get", counted(get))
     monkeypatch.setattr(Checkpoint, "read_into", counted(read_into))
-    for name in ("read", "read_rows", "get_rows"):
+    for name in ("read", "read_rows"):
         monkeypatch.setattr(Checkpoint, name, lambda *a, n=name: pytest.fail(f"Checkpoint.{n}: a second copy"))
     convert.load_mla_model(out, dtype=dtype)
     assert sorted(reads) == sorted(load_file(out / "model.safetensors"))

@@ -138,7 +138,7 @@ def test_smollm2_on_a_24_gib_machine_gets_the_whole_check(smollm2, smollm2_conve
     streams and generates from one model at a time; with 1.5 GiB free greedy generation is skipped."""
     ids = torch.zeros(1, 256, dtype=torch.long)  # the default --tokens
     with open_checkpoint(smollm2) as orig, open_checkpoint(smollm2_converted.output) as conv:
-        run = VerifyRun(orig, conv, read_mla_config(smollm2_converted.output), CPU, torch.float64)
+        run = VerifyRun(orig, conv, read_mla_config(smollm2_converted.output)[0], CPU, torch.float64)
 
         def decide(free: int) -> tuple[bool, bool]:  # (both whole models fit, one fits for greedy generation)
             monkeypatch.setattr(verify_module, "available_memory_bytes", lambda device: free)

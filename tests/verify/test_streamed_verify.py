@@ -38,7 +38,7 @@ def assert_same_figures(streamed: dict, whole: dict) -> None:
 def test_streamed_equals_whole_model(tiny_llama_dir, tmp_path, options, monkeypatch):
     out = tmp_path / "mla"
     gqa2mla(tiny_llama_dir, out, verify=False, progress=False, **options)
-    config = read_mla_config(out)
+    config, mla = read_mla_config(out)
     monkeypatch.setattr("convert.verify.streamed.VOCAB_CHUNK", 7)  # several chunks, one ragged
     assert config["vocab_size"] > 7 * 2 and VOCAB_CHUNK > 7
     ids = torch.randint(0, config["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(0))
@@ -52,7 +52,7 @@ def test_streamed_equals_whole_model(tiny_llama_dir, tmp_path, options, monkeypa
             assert whole["kl_mean"] > 1e-6 and whole["logits_rel_error"] > 1e-4  # really lossy: figures mean something
         ckpt = torch.float32
         expected = (cache_bytes_per_token(ref, as_dtype=ckpt), cache_bytes_per_token(got, as_dtype=ckpt))
-        assert config_cache_bytes(config, ckpt) == expected
+        assert config_cache_bytes(mla, ckpt) == expected
         assert params(orig) == sum(p.numel() for p in ref.parameters())
         assert params(conv) == sum(p.numel() for p in got.parameters())
 
@@ -81,7 +81,7 @@ def test_streamed_equals_whole_on_smollm2(smollm2, tmp_path):
 
     out = tmp_path / "mla"
     gqa2mla(smollm2, out, verify=False, progress=False)
-    config = read_mla_config(out)
+    config, _ = read_mla_config(out)
     text = realdata.austen_text("emma")[:20000]
     ids = torch.tensor(AutoTokenizer.from_pretrained(smollm2)(text)["input_ids"][:256])[None]
     dtype = torch.float32
