@@ -1,20 +1,12 @@
-"""The `convert` command line: a thin click shim over `convert.api` and `convert.verify`.
+"""The `convert` command line: a thin click shim over `convert.api` and `convert.verify`, its flags
+built from the options fields (`convert.options`, `convert.cli_support`), so the CLI and the API take
+the same options. Exit codes: README, "Exit codes". Light at import: a command imports the API
+(`_load_api`) only once its options are valid (docs/design.md, "Layout of the code")."""
 
-Every flag is built from a field of `ConvertOptions` / `VerifyOptions` / `HealOptions`
-(`convert.options`): declared once, so the CLI and the API take the same options, and
-`--help` lists them in the sections declared there. Exit codes (README, "Exit codes"):
-0 PASS, 1 verification FAIL, 2 bad input or usage, 3 environment or I/O, 130
-interrupted — each with one line on stderr; each command's `--help` shows its own.
-Light at import: a command imports the API (`_load_api`) only once its options are valid
-(docs/design.md, "Layout of the code").
-"""
-
-import errno
 import json
 import logging
 import os
 import sys
-from functools import wraps
 from pathlib import Path
 
 import click
@@ -22,170 +14,28 @@ import click
 from convert._version import __version__
 from convert.arch.registry import find_arch
 from convert.arch.validate import check_config
-from convert.errors import ConvertError, cli_words
+from convert.cli_support import (
+    COMMAND_EXIT_CODES,
+    EXIT_CODES,
+    GroupedOption,
+    NoteHandler,
+    SectionedCommand,
+    exits_cleanly,
+    options_of,
+    path_option,
+)
+from convert.errors import ConvertError
 from convert.io.locate import CONFIG_NAME, check_prelude, locate, read_config
 from convert.io.output import check_output, default_output
 from convert.lm_tasks import check_tasks
 from convert.options import (
-    GROUPS,
     ConvertOptions,
     EvalOptions,
     HealOptions,
     VerifyOptions,
-    cli_fields,
-    field_default,
-    suggest,
 )
 from convert.progress import opening
 from convert.targets import check_options
-
-_USAGE = ("2", "bad input or usage: one line naming the file/field and the fix; nothing written")
-_INTERRUPTED = ("130", "interrupted (Ctrl-C); a previous output is left intact")
-_IO = ("3", "environment or I/O: disk full, permission, read-only, name too long, output locked")
-
-
-def _exit_table(*rows: tuple[str, str]) -> str:
-    return "\b\nExit codes:\n" + "".join(f"  {code:<4} {meaning}\n" for code, meaning in rows)
-
-
-#: The whole command's table (README, "Exit codes"); each command's --help shows its own (`COMMAND_EXIT_CODES`).
-EXIT_CODES = _exit_table(
-    ("0", "PASS (or done: converted with --no-verify, healed)"),
-    ("1", "verification FAIL"),
-    _USAGE,
-    _IO,
-    _INTERRUPTED,
-)
-COMMAND_EXIT_CODES = {
-    "gqa2mla": _exit_table(
-        ("0", "PASS (or converted with --no-verify)"),
-        ("1", "verification FAIL (the output and its report are kept)"),
-        _USAGE,
-        _IO,
-        _INTERRUPTED,
-    ),
-    "verify": _exit_table(
-        ("0", "PASS"),
-        ("1", "FAIL: one stderr line per failed check (and the report, with --report-dir)"),
-        ("2", "bad input or usage: one line naming the file/field and the fix"),
-        ("3", "environment or I/O: unreadable input, or --report-dir not writable"),
-        ("130", "interrupted (Ctrl-C)"),
-    ),
-    "heal": _exit_table(("0", "healed: the new directory and its report are written"), _USAGE, _IO, _INTERRUPTED),
-    "eval": _exit_table(
-        ("0", "done: the side-by-side table printed (and --output written)"),
-        ("2", "bad input or usage: one line naming the directory, task or option and the fix"),
-        ("3", "environment or I/O: lm_eval not installed (pip install 'convert[eval]'), --output not writable"),
-        ("130", "interrupted (Ctrl-C)"),
-    ),
-}
-
-
-class _Option(click.Option):
-    """A click option that knows its `--help` section (a key of `convert.options.GROUPS`)."""
-
-    def __init__(self, *args, group: str = "advanced", **kwargs):
-        super().__init__(*args, **kwargs)
-        self.group = group
-
-
-class _Command(click.Command):
-    """A command whose `--help` lists its options by section, in the order of GROUPS, and whose
-    answer to a misspelled flag names only the flags it is likely a typo of (`convert.options.suggest`)."""
-
-    def parse_args(self, ctx, args):
-        try:
-            return super().parse_args(ctx, args)
-        except click.NoSuchOption as err:
-            flags = [d for p in self.get_params(ctx) for d in (*p.opts, *p.secondary_opts) if d.startswith("--")]
-            likely = suggest(err.option_name, flags)
-            fix = f" Did you mean {' or '.join(likely)}?" if likely else f" See 'convert {self.name} --help'."
-            raise click.NoSuchOption(err.option_name, f"No such option {err.option_name!r}.{fix}", ctx=ctx) from None
-
-    def format_options(self, ctx, formatter):
-        sections: dict[str, list] = {group: [] for group in GROUPS}
-        for param in self.get_params(ctx):
-            record = param.get_help_record(ctx) if isinstance(param, click.Option) else None
-            if record is not None:  # arguments are named by the usage line
-                sections[getattr(param, "group", "advanced")].append(record)
-        for group, records in sections.items():
-            if records:
-                with formatter.section(GROUPS[group]):
-                    formatter.write_dl(records)
-
-
-def _click_option(f):
-    """The click option of one options field."""
-    meta, name = f.metadata, f.name
-    default = field_default(f)
-    common = {"cls": _Option, "group": meta["group"], "help": meta["help"]}
-    if meta["off_flag"]:  # a boolean that the flag switches off
-        decls = [d for d in (meta["short"], meta["off_flag"]) if d]
-        return click.option(*decls, name, is_flag=True, flag_value=not default, default=default, **common)
-    decls = [d for d in (meta["short"], meta["flag"] or "--" + name.replace("_", "-")) if d]
-    if isinstance(default, bool):
-        return click.option(*decls, name, is_flag=True, default=default, **common)
-    kind = click.Choice(meta["choices"]) if meta["choices"] else (meta["kind"] or type(default))
-    if kind is Path:
-        kind = click.Path(path_type=Path)
-    return click.option(*decls, name, type=kind, default=default, show_default=default is not None, **common)
-
-
-def _path_option(*decls, group: str, **kwargs):
-    """A path option of a command that is not an options field (-o, --report-dir, heal's texts)."""
-    return click.option(*decls, cls=_Option, group=group, type=click.Path(path_type=Path), **kwargs)
-
-
-def options_of(cls):
-    """Decorate a click command with one option per CLI field of `cls`."""
-
-    def decorate(fn):
-        for f in reversed(cli_fields(cls)):
-            fn = _click_option(f)(fn)
-        return fn
-
-    return decorate
-
-
-def _exits_cleanly(fn):
-    """Every failure as one line on stderr and its exit code (the table in EXIT_CODES)."""
-
-    @wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            with cli_words():  # messages name the flags, not the Python keywords
-                return fn(*args, **kwargs)
-        except ConvertError as err:
-            _fail(str(err), err.exit_code)
-        except KeyboardInterrupt:
-            _fail("interrupted; nothing was written (a previous output is intact)", 130)
-        except OSError as err:
-            _fail(_os_error_line(err), 3)
-
-    return wrapper
-
-
-def _fail(message: str, code: int):
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
-
-
-def _os_error_line(err: OSError) -> str:
-    fixes = {
-        errno.ENOSPC: "free some space or write elsewhere (-o)",
-        errno.EACCES: "check the permissions, or write elsewhere (-o)",
-        errno.EROFS: "the file system is read-only: write elsewhere (-o)",
-        errno.ENAMETOOLONG: "choose a shorter output name",
-    }
-    where = f" ({err.filename})" if err.filename else ""
-    return f"{err.strerror or err}{where}; {fixes.get(err.errno, 'check the disk and the paths, then retry')}"
-
-
-class _NoteHandler(logging.Handler):
-    """The package's warnings (e.g. stale temporaries removed) as `note:` lines on stderr."""
-
-    def emit(self, record):
-        click.echo(f"note: {record.getMessage()}", err=True)
 
 
 def _load_api() -> None:
@@ -211,15 +61,15 @@ def main():
     `convert` comes first on PATH; `python cli.py` from a checkout.)
     """
     logger = logging.getLogger("convert")
-    if not any(isinstance(h, _NoteHandler) for h in logger.handlers):
-        logger.addHandler(_NoteHandler(level=logging.WARNING))
+    if not any(isinstance(h, NoteHandler) for h in logger.handlers):
+        logger.addHandler(NoteHandler(level=logging.WARNING))
 
 
-@main.command(cls=_Command, epilog=COMMAND_EXIT_CODES["gqa2mla"])
+@main.command(cls=SectionedCommand, epilog=COMMAND_EXIT_CODES["gqa2mla"])
 @click.argument("src", type=click.Path(path_type=Path))
-@_path_option("-o", "--output", group="output", help="Output directory (default: <name>-mla beside the input).")
+@path_option("-o", "--output", group="output", help="Output directory (default: <name>-mla beside the input).")
 @options_of(ConvertOptions)
-@_exits_cleanly
+@exits_cleanly
 def gqa2mla(src, output, **options):
     """Convert the GQA checkpoint SRC (a .safetensors file, a sharded directory or a
     Hugging Face model directory) into an MLA checkpoint directory.
@@ -288,15 +138,15 @@ def _summary(result) -> None:
         click.echo(f"verification: {result.report['verdict']} ({_shown(result.output / 'verification.md')})")
 
 
-@main.command(cls=_Command, epilog=COMMAND_EXIT_CODES["verify"])
+@main.command(cls=SectionedCommand, epilog=COMMAND_EXIT_CODES["verify"])
 @click.argument("original", type=click.Path(path_type=Path))
 @click.argument("converted", type=click.Path(path_type=Path))
-@_path_option("--report-dir", group="output", help="Write verification.json/.md here (default: print only).")
+@path_option("--report-dir", group="output", help="Write verification.json/.md here (default: print only).")
 @click.option(
-    "-v", "--verbose", is_flag=True, cls=_Option, group="output", help="Print the whole report, not its summary."
+    "-v", "--verbose", is_flag=True, cls=GroupedOption, group="output", help="Print the whole report, not its summary."
 )
 @options_of(VerifyOptions)
-@_exits_cleanly
+@exits_cleanly
 def verify(original, converted, report_dir, verbose, **options):
     """Check CONVERTED (an MLA directory) against ORIGINAL (the GQA checkpoint):
     per layer and, for runnable architectures, end to end."""
@@ -323,9 +173,9 @@ def verify(original, converted, report_dir, verbose, **options):
     sys.exit(0 if report["verdict"] == "PASS" else 1)
 
 
-@main.command(cls=_Command, epilog=COMMAND_EXIT_CODES["heal"])
+@main.command(cls=SectionedCommand, epilog=COMMAND_EXIT_CODES["heal"])
 @click.argument("converted", type=click.Path(path_type=Path))
-@_path_option(
+@path_option(
     "--text",
     "texts",
     group="training",
@@ -334,24 +184,24 @@ def verify(original, converted, report_dir, verbose, **options):
     help="Text to heal on: UTF-8 .txt/.md, .jsonl/.json or .parquet (see --text-field); repeat for several "
     "files. Use a different text than --eval-text.",
 )
-@_path_option(
+@path_option(
     "--eval-text",
     group="training",
     help="Held-out text for the before/after perplexity (default: the last eighth of --text).",
 )
-@_path_option(
+@path_option(
     "--original",
     group="output",
     help="The GQA checkpoint CONVERTED was made from (default: the one its verification.json names).",
 )
-@_path_option("-o", "--output", group="output", help="Output directory (default: <CONVERTED>-healed).")
-@_path_option(
+@path_option("-o", "--output", group="output", help="Output directory (default: <CONVERTED>-healed).")
+@path_option(
     "--training-dir",
     group="output",
     help="Checkpoints (--save-every, --resume) and tracker logs (default: <OUTPUT>-training).",
 )
 @options_of(HealOptions)
-@_exits_cleanly
+@exits_cleanly
 def heal(converted, texts, eval_text, original, output, training_dir, **options):
     """Heal CONVERTED (a directory written by `convert gqa2mla`): distil its MLA projections
     toward the original model's logits (KL on --text), everything else frozen.
@@ -400,16 +250,16 @@ def heal(converted, texts, eval_text, original, output, training_dir, **options)
         click.echo(f"warning: {warning}", err=True)
 
 
-@main.command("eval", cls=_Command, epilog=COMMAND_EXIT_CODES["eval"])
+@main.command("eval", cls=SectionedCommand, epilog=COMMAND_EXIT_CODES["eval"])
 @click.argument("dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
-@_path_option(
+@path_option(
     "--original",
     group="output",
     help="The GQA checkpoint DIRS were converted from, evaluated first (default: the one their verification.json names).",
 )
-@_path_option("-o", "--output", group="output", help="Also write the results as JSON to this file.")
+@path_option("-o", "--output", group="output", help="Also write the results as JSON to this file.")
 @options_of(EvalOptions)
-@_exits_cleanly
+@exits_cleanly
 def evaluate(dirs, original, output, **options):
     """Run lm-evaluation-harness tasks on DIRS (directories written by `convert gqa2mla`: the native
     format or an export, each run as its runtime computes it) and on the original checkpoint, one

@@ -168,8 +168,9 @@ def reference_attention(model, layer: int, inputs: dict) -> torch.Tensor:
 def mla_attention(converted, layer: int, dtype=None, rotary=None):
     """Build `MLAAttention` for `layer` from a converted state dict (with `.config`)."""
     from convert.mla import build_mla_attention, layer_tensors
+    from convert.mla.config import MLASection
 
-    mla = converted.mla
+    mla = MLASection.from_dict(converted.config["mla"])
     return build_mla_attention(mla, layer, layer_tensors(converted, mla, layer), rotary=rotary, dtype=dtype)
 
 

@@ -194,6 +194,26 @@ def _check_rope_config(config: dict, arch: ArchSpec, head_dim: int) -> int | Non
     return rotary_dim
 
 
+def _query_heads(config: dict, flags: GeometryFlags) -> int:
+    """The number of query heads: config.json's, or --n-heads for a bare file."""
+    n_heads = _flag_or_config(config, "num_attention_heads", "--n-heads", flags.n_heads)
+    if n_heads is None:
+        raise ConvertError("the number of query heads is unknown (no config.json): pass --n-heads")
+    if n_heads <= 0:
+        raise ConvertError(f"--n-heads {n_heads} is not a positive number of query heads; pass the model's head count")
+    return n_heads
+
+
+def _rotary_dim(spec: ArchSpec, config: dict, head_dim: int) -> int | None:
+    """The rotated dims per head of a RoPE model (its config's partial rotary factor), checked; None without RoPE."""
+    if not spec.rope:
+        return None
+    rotary_dim = _check_rope_config(config, spec, head_dim)
+    if head_dim % 2:
+        raise ConvertError(f"head_dim={head_dim} is odd: RoPE needs pairs of dims; check config.json head_dim")
+    return rotary_dim
+
+
 def resolve_attention(
     config: dict | None,
     keys: Iterable[str],
@@ -217,11 +237,7 @@ def resolve_attention(
     _check_layer_count(config, n_layers)
     first = _first_layer(spec, template.format(i=0), keys, shape)
 
-    n_heads = _flag_or_config(config, "num_attention_heads", "--n-heads", flags.n_heads)
-    if n_heads is None:
-        raise ConvertError("the number of query heads is unknown (no config.json): pass --n-heads")
-    if n_heads <= 0:
-        raise ConvertError(f"--n-heads {n_heads} is not a positive number of query heads; pass the model's head count")
+    n_heads = _query_heads(config, flags)
     hidden_size = config.get("hidden_size", first.hidden)
     head_dim = _flag_or_config(config, "head_dim", "--head-dim", flags.head_dim) or _default_head_dim(
         spec, config, hidden_size, first.q_rows, n_heads
@@ -235,11 +251,7 @@ def resolve_attention(
     head_map = flags.head_map or spec.head_map
     if head_map not in HEAD_MAPS:
         raise ConvertError(f"--head-map {head_map!r} is unknown; use one of {', '.join(HEAD_MAPS)}")
-    rotary_dim = None
-    if spec.rope:
-        rotary_dim = _check_rope_config(config, spec, head_dim)
-        if head_dim % 2:
-            raise ConvertError(f"head_dim={head_dim} is odd: RoPE needs pairs of dims; check config.json head_dim")
+    rotary_dim = _rotary_dim(spec, config, head_dim)
     return AttentionSpec(
         arch=spec,
         n_layers=n_layers,

@@ -28,6 +28,7 @@ from convert.options import VerifyOptions, dtype_name
 from convert.progress import phase, progress
 from convert.targets import TARGETS, load_output, output_target, written_by
 from convert.text import model_tokenizer, text_token_ids
+from convert.verify.decision import check, coarsest, decide, thresholds
 from convert.verify.e2e import end_to_end, greedy_in_turn, streamed_end_to_end
 from convert.verify.layers import check_hf_layers, check_seed_layers
 from convert.verify.memory import (
@@ -37,7 +38,7 @@ from convert.verify.memory import (
     whole_model_activation_bytes,
     whole_model_memory_bytes,
 )
-from convert.verify.report import check, coarsest, decide, render_markdown, thresholds, write_report
+from convert.verify.report import render_markdown, write_report
 from convert.verify.run import VerifyRun
 from convert.verify.twin import twin_view
 

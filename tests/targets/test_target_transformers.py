@@ -334,7 +334,7 @@ def test_latent_norm_is_neutralized_bitwise():
     """transformers' DeepseekV3RMSNorm (eps fixed at 1e-6) passes the value dims through unchanged."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
 
-    from convert.targets.deepseek import _neutralized_latent
+    from convert.targets.deepseek.tensors import neutralized_latent as _neutralized_latent
 
     gen = torch.Generator().manual_seed(0)
     w, b = torch.randn(20, 8, generator=gen), torch.randn(20, generator=gen)

@@ -14,7 +14,7 @@ from convert.cli import main
 from convert.hf import load_original
 from convert.io import open_checkpoint
 from convert.layouts import module_layout
-from convert.verify.report import FLOOR_FACTOR, decide, thresholds
+from convert.verify.decision import FLOOR_FACTOR, decide, thresholds
 from convert.verify.twin import TWIN_SCALE, twin_view
 
 from conftest import PROSE, hf_model, random_ids, rel_err
