@@ -15,6 +15,7 @@ from convert.io.reader import dtype_itemsize
 from convert.layouts import module_layout
 from convert.mla.attention import build_mla_attention
 from convert.mla.config import MLASection
+from convert.plan import cache_dims
 from convert.stream import LayerStream, embedding_rows, materialize
 from convert.verify.run import VerifyRun
 
@@ -237,7 +238,6 @@ def cache_bytes_per_token(mla: MLASection, ckpt_dtype: torch.dtype) -> tuple[flo
     `convert.mla.model.cache_bytes_per_token` measures on the whole models (tests check so)."""
     size = dtype_itemsize(ckpt_dtype)
     original = mla.n_layers * 2 * mla.n_kv_heads * mla.head_dim * size
-    converted = 0
-    for layer in mla.layers:  # the latents (the factored layout's key positions are not counted)
-        converted += (layer.key_rank if mla.joint else layer.key_rank + layer.value_rank) * size
+    # the latents (the factored layout's key positions are not counted)
+    converted = sum(cache_dims(layer.ranks) for layer in mla.layers) * size
     return float(original), float(converted)
