@@ -13,7 +13,7 @@ from convert.targets.deepseek import (
     check_deepseek,
     export_model,
     export_sizes,
-    export_source,
+    export_spec,
     exporting,
     to_deepseek_v3,
 )
@@ -36,7 +36,8 @@ def build(source, opts: ConvertOptions) -> Build:
     """The export's tensors (made in memory from the whole source) and config; refusals first."""
     spec = resolve_spec(source, source.config, opts)  # the same checks and refusals as the mla target
     check(spec, opts)
-    tensors, config = to_deepseek_v3({name: source.get(name) for name in source.keys()}, source.config or {})
+    state = {name: source.get(name) for name in source.keys()}
+    tensors, config = to_deepseek_v3(state, source.config or {}, spec=spec)
     layout = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
     return Build(
         layout=layout,
@@ -52,8 +53,8 @@ def build(source, opts: ConvertOptions) -> Build:
 
 def model(state: dict[str, torch.Tensor], config: dict, opts: ConvertOptions, dtype: torch.dtype, device):
     """`to_mla(target="transformers")`: the export as a DeepseekV3ForCausalLM, in memory."""
-    export_source(state, config, opts, NAME)  # the same refusals as a conversion
-    tensors, export_config = to_deepseek_v3(state, config)
+    _, _, spec = export_spec(state, config, NAME, opts)  # the same refusals as a conversion
+    tensors, export_config = to_deepseek_v3(state, config, spec=spec)
     return export_model(tensors, export_config, dtype, device, NAME)
 
 

@@ -143,16 +143,19 @@ def as_dtype(dtype) -> torch.dtype | None:
     return found
 
 
-def export_spec(state_dict: dict, config, target: str, opts=None) -> tuple[dict, StateDictSource, AttentionSpec]:
+def export_spec(
+    state_dict: dict, config, target: str, opts=None, spec: AttentionSpec | None = None
+) -> tuple[dict, StateDictSource, AttentionSpec]:
     """(config dict, in-memory source, attention spec) of a model a DeepSeek-V3 target exports;
     refuses the families whose attention DeepSeek-V3 cannot hold (`SUPPORTED_ARCHS` only). With a
-    conversion's `opts`, the spec takes its geometry flags and first meets its refusals and `check_deepseek`'s."""
+    conversion's `opts`, the spec takes its geometry flags and first meets its refusals and `check_deepseek`'s;
+    a `spec` the caller has already resolved (so) is used as it is."""
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     source = StateDictSource(state_dict, config)
-    if opts is not None:
+    if spec is None and opts is not None:
         spec = resolve_spec(attention_view(source, config), config, opts)  # a fused qkv_proj seen split
         check_deepseek(spec, target)
-    else:
+    elif spec is None:
         spec = resolve_attention(config, source.keys(), source.shape)
     if spec.arch.name not in SUPPORTED_ARCHS:
         raise ConvertError(
@@ -181,12 +184,15 @@ def _geometry(spec: AttentionSpec, source, rope_params: dict, dtype: torch.dtype
     )
 
 
-def to_deepseek_v3(state_dict: dict[str, torch.Tensor], config, dtype=None) -> tuple[dict, dict]:
+def to_deepseek_v3(
+    state_dict: dict[str, torch.Tensor], config, dtype=None, spec: AttentionSpec | None = None
+) -> tuple[dict, dict]:
     """Export a GQA model (Llama, Mistral, Qwen2) as an exact DeepseekV3ForCausalLM, in memory.
 
     state_dict: the source's tensors (HF names). config: its config.json dict or a
     transformers config. dtype: of the attention tensors written (and of every tensor:
-    the others are cast when it differs); default the source's query weight dtype.
+    the others are cast when it differs); default the source's query weight dtype. spec: the
+    source's attention spec where the caller has resolved it (a conversion's, its refusals met).
 
     Returns (state_dict, config_dict): the DeepseekV3ForCausalLM tensors (non-attention
     ones shared with the input when no cast is needed) and a complete config.json dict
@@ -194,7 +200,7 @@ def to_deepseek_v3(state_dict: dict[str, torch.Tensor], config, dtype=None) -> t
     `convert_export` entry records the construction. Raises ConvertError for what
     DeepSeek-V3 cannot hold exactly (docs/design.md, "Deployment targets").
     """
-    config, source, spec = export_spec(state_dict, config, "transformers")
+    config, source, spec = export_spec(state_dict, config, "transformers", spec=spec)
     hf_src = hf_config(config)  # transformers' own reading of config.json (defaults, legacy rope_scaling)
     dtype = as_dtype(dtype) or source.dtype(spec.tensor(0, "q"))
     check_exportable(hf_src, dtype)
@@ -253,13 +259,6 @@ def check_deepseek(spec: AttentionSpec, target: str) -> None:
             f"--target {target} writes DeepSeek-V3's MLP (gate_proj, up_proj), and {spec.arch.name}'s fused "
             "gate_up_proj is not split for it; use --target mla (the default), which keeps the MLP as it is"
         )
-
-
-def export_source(state: dict, config: dict, opts, target: str):
-    """`to_mla`'s in-memory source for a DeepSeek-V3 target, after the same refusals as a conversion."""
-    source = attention_view(StateDictSource(state, config), config)
-    check_deepseek(resolve_spec(source, config, opts), target)
-    return source
 
 
 def export_model(tensors: dict, config: dict, dtype: torch.dtype, device, target: str):
