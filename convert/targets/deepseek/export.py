@@ -149,7 +149,7 @@ def export_spec(
     """(config dict, in-memory source, attention spec) of a model a DeepSeek-V3 target exports;
     refuses the families whose attention DeepSeek-V3 cannot hold (`SUPPORTED_ARCHS` only). With a
     conversion's `opts`, the spec takes its geometry flags and first meets its refusals and `check_deepseek`'s;
-    a `spec` the caller has already resolved (so) is used as it is."""
+    a `spec` the caller has resolved that way already is used as it is."""
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     source = StateDictSource(state_dict, config)
     if spec is None and opts is not None:
