@@ -44,7 +44,7 @@ def run_suite(tree: Path, marker: str) -> dict:
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-300:]
-    counts = {kind.rstrip("s") if kind.startswith("error") else kind: int(n) for n, kind in COUNTS.findall(summary)}
+    counts = {"error" if kind.startswith("error") else kind: int(n) for n, kind in COUNTS.findall(summary)}
     return {"seconds": round(seconds, 1), "exit": done.returncode, "counts": counts, "summary": summary}
 
 
@@ -63,8 +63,10 @@ def main(argv=None) -> int:
     }
     runs: dict[str, list[dict]] = {"base": [], "head": []}
     with tempfile.TemporaryDirectory(prefix="suite-time-") as scratch:
-        trees = {name: worktree(rev, Path(scratch)) for name, rev in revs.items()}
+        trees: dict[str, Path] = {}
         try:
+            for name, rev in revs.items():
+                trees[name] = worktree(rev, Path(scratch))
             for i in range(args.repeat):
                 order = ("base", "head") if i % 2 == 0 else ("head", "base")
                 for name in order:
