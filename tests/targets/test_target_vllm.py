@@ -265,11 +265,12 @@ def test_the_exports_attention_stands_in_for_the_sources(mask):
     assert float((got - want).norm() / want.norm()) < 1e-5
 
 
-@pytest.mark.parametrize("calibration", [None, "sequential"])
-def test_an_8b_shaped_source_is_compressed_into_the_latent_through_the_api(tmp_path, calibration):
+@pytest.mark.parametrize(("calibration", "refine_steps"), [(None, None), ("sequential", None), (None, 0)])
+def test_an_8b_shaped_source_is_compressed_into_the_latent_through_the_api(tmp_path, calibration, refine_steps):
     """Llama-3-8B's attention (G = 8 key heads of d = 128, llama3 RoPE; 16 query heads here,
     D = 1024): 1,984 latent dims needed, 510 held. The API calibrates with Fisher statistics,
-    compresses the latent (on the original's inputs by default, or sequentially), writes
+    compresses the latent (on the original's inputs by default, or sequentially), refines each
+    layer to its attention output (the device's default steps; 0: not at all), writes
     DeepSeek-YaRN, and the report says so."""
     import convert
 
@@ -296,6 +297,7 @@ def test_an_8b_shaped_source_is_compressed_into_the_latent_through_the_api(tmp_p
         target="vllm",
         calib=calib,
         calibration=calibration,
+        refine_steps=refine_steps,
         text=text,
         max_ppl_ratio=100.0,
         tokens=64,
@@ -306,7 +308,7 @@ def test_an_8b_shaped_source_is_compressed_into_the_latent_through_the_api(tmp_p
     exported = written["convert_export"]
     assert exported["latent_compressed"] and exported["latent_weighting"] == "fisher"
     assert exported["latent_calibration"] == (calibration or "original")
-    assert exported["latent_refine_steps"] == 0  # not by default: unmeasured on a real model
+    assert exported["latent_refine_steps"] == (Refinement.sized(None).steps if refine_steps is None else 0)
     assert exported["latent_content_dims"] == 64 * 15 + 1024 and exported["latent_dims_used"] == 510
     target = result.report["target"]
     assert target["cache_values_per_token_per_layer"] == 576 and target["gqa_cache_values_per_token_per_layer"] == 2048

@@ -7,7 +7,7 @@ import torch
 
 from convert import compress
 from convert.arch import AttentionSpec
-from convert.compress.refine import NO_REFINEMENT, Refinement
+from convert.compress.refine import Refinement
 from convert.errors import ConvertError
 from convert.hf import load_pretrained
 from convert.layouts import attention_view
@@ -128,8 +128,8 @@ def _calibrated(source, view, spec: AttentionSpec, config: dict, opts, biased: l
     for layer_stats, layer_fisher in zip(stats, fisher):
         layer_stats.key_fisher, layer_stats.value_fisher = layer_fisher.key_fisher, layer_fisher.value_fisher
     refit = (opts.calibration or VLLM_CALIBRATION) == "sequential"
-    # refinement of the export's latent is not yet measured on a real model: only when asked
-    refinement = Refinement.sized(opts.refine_steps) if opts.refine_steps is not None else NO_REFINEMENT
+    # each compressed layer fitted to its attention output, as the MLA layouts are (sized to the device)
+    refinement = Refinement.sized(opts.refine_steps)
     sequential = None
     if refit or refinement.steps:
         module_source = getattr(source, "module_source", source)
