@@ -43,8 +43,9 @@ FOREIGN = (
     "stock transformers runs it as a DeepseekV3ForCausalLM and computes the model vLLM serves (compare or "
     "evaluate there); to train it, use convert heal, which keeps frozen the biases vLLM ignores"
 )
-#: How the vllm target's compressed latent is calibrated unless --calibration says: original measured
-#: better at 75% and 25% of the latent's need on SmolLM2, sequential at 50% (bench/vllm_latent.py).
+#: How the vllm target's compressed latent is calibrated unless --calibration says: in the closed form,
+#: original measured better at 75% and 25% of the latent's need on SmolLM2, sequential at 50%; refined
+#: (the default), the two measured the same at 25%, x1.502 and x1.501 (bench/vllm_latent.py).
 VLLM_CALIBRATION = "original"
 
 
