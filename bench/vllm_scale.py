@@ -3,7 +3,7 @@
 decoder layers of the real shape: 32 query heads, 8 key/value heads of d = 128, D = 4,096,
 llama3 RoPE, vocabulary 128,256), calibrated on an Austen novel (UTF-8 bytes: the synthetic
 model has no tokenizer). Shows the path a real 8B takes — folded frequencies, DeepSeek-YaRN,
-the 1,984-dim latent compressed into 512 with Fisher weights — and what it costs; random
+the 1,984-dim latent compressed into vLLM's 512 (510 used) with Fisher weights — and what it costs; random
 weights say nothing about quality (bench/vllm_latent.py measures that on SmolLM2).
 
 With `--refine-steps 0,default` the same checkpoint is exported once per value, side by side:
@@ -72,7 +72,15 @@ def export_run(src: Path, out: Path, calib_tokens: int, refine_steps: str) -> di
     exported = written.get("convert_export", {})
     output_gb = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e9 if out.exists() else None
     shutil.rmtree(out, ignore_errors=True)
-    keep = ("latent_content_dims", "latent_dims_used", "latent_compressed", "latent_weighting", "frequency_fold")
+    keep = (
+        "latent_content_dims",
+        "latent_dims_used",
+        "latent_compressed",
+        "latent_weighting",
+        "frequency_fold",
+        "latent_refine_steps",
+        "latent_calibration",
+    )
     return {
         "refine_steps_option": refine_steps,
         "exit": child["exit"],
@@ -80,7 +88,7 @@ def export_run(src: Path, out: Path, calib_tokens: int, refine_steps: str) -> di
         "peak_rss_gib": child["vmhwm"] / 2**30,
         "peak_anon_gib": child["peak_anon"] / 2**30,
         "output_gb": output_gb,
-        "export": {k: exported.get(k) for k in (*keep, "latent_refine_steps", "latent_calibration")},
+        "export": {k: exported.get(k) for k in keep},
         "rope_parameters_written": written.get("rope_parameters"),
         "stderr": child.get("stderr"),
     }
