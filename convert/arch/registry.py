@@ -82,6 +82,8 @@ class ArchSpec:
     [q | k | v]), split on read into the q/k/v names above (None: stored separately).
     partial_rotary: the family rotates only the first `head_dim · partial_rotary_factor`
     dims of each head (config.json `partial_rotary_factor`); the rest are plain NoPE dims.
+    post_attention_norm: the decoder normalises the attention's output (`post_attention_layernorm`)
+    before adding it to the residual stream (Gemma 2/3, OLMo 2); elsewhere that norm is the MLP's input's.
     """
 
     name: str
@@ -103,6 +105,7 @@ class ArchSpec:
     norm_unit_offset: bool = False
     fused_qkv: str | None = None
     partial_rotary: bool = False
+    post_attention_norm: bool = False
 
     @property
     def layer_pattern(self) -> str:
@@ -185,10 +188,13 @@ ARCHS: dict[str, ArchSpec] = {
         _hf("olmo2", "Olmo2Attention", _LLAMA_BIAS, norms=("post_attention", "post_feedforward")),
         qk_norm="whole",
         pre_norm=False,
+        post_attention_norm=True,
     ),
     # Gemma 2: scores scaled by query_pre_attn_scalar^-1/2 and soft-capped, norms before and after
     # attention and MLP, alternating sliding-window layers (transformers' masks), tied embeddings.
-    "gemma2": dataclasses.replace(_hf("gemma2", "Gemma2Attention", _LLAMA_BIAS, _GEMMA_NORMS), gemma_scores=True),
+    "gemma2": dataclasses.replace(
+        _hf("gemma2", "Gemma2Attention", _LLAMA_BIAS, _GEMMA_NORMS), gemma_scores=True, post_attention_norm=True
+    ),
     # Gemma 3 (text): Gemma 2's layout, per-head q/k norms scaling by (1 + weight), one RoPE base for
     # sliding-window layers and another for global ones (the model hands each layer its own cos/sin).
     "gemma3_text": dataclasses.replace(
@@ -196,6 +202,7 @@ ARCHS: dict[str, ArchSpec] = {
         qk_norm="head",
         gemma_scores=True,
         norm_unit_offset=True,
+        post_attention_norm=True,
     ),
     # Mixtral: Mistral's attention, a mixture-of-experts MLP (router + experts) passed through.
     "mixtral": dataclasses.replace(_hf("mixtral", "MixtralAttention", _MISTRAL_BIAS), tensors=_mixtral_tensors()),

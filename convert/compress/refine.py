@@ -1,7 +1,8 @@
 """Attention-output refinement: each compressed layer fitted to what its attention computes.
 
 After the closed-form factorization, Adam fits a layer's tensors so that its attention output on the compressed model's
-inputs matches the original's on the original's (docs/compression.md, "Attention-output refinement").
+inputs matches the original's on the original's, plus (where that output enters the residual stream as it is) the
+drift of the two streams so far (docs/compression.md, "Attention-output refinement").
 """
 
 from dataclasses import dataclass

@@ -96,16 +96,28 @@ class SequentialCalibration:
         positions, rotary, mask = self.stream.inputs(layer, self.original)
         run = lambda h: self.decoder(h, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
         capture = _captured(self.decoder.self_attn, output=True) if refine else contextlib.nullcontext({})
+        residual = self.original  # the original stream's input to the layer (B, L, D)
         with torch.no_grad(), capture as target:
             self.original = _hidden(run(self.original))
         self.decoder.self_attn = attention
         if refine:  # the compressed stream's call of `attention`, stopped there, then the fit
             with torch.no_grad(), _captured(attention, output=False) as call, contextlib.suppress(_Stop):
                 run(self.compressed)
-            self.refined.append(refine_attention(attention, call["kwargs"], target["output"], self.refinement))
+            goal = self._goal(target["output"], residual)
+            self.refined.append(refine_attention(attention, call["kwargs"], goal, self.refinement))
         with torch.no_grad():
             self.compressed = _hidden(run(self.compressed))
         self.decoder = None
+
+    def _goal(self, output: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """What the compressed layer's attention should output: the original attention's `output` (B, L, D) plus,
+        where the family adds that output to the residual stream as it is, the streams' drift so far (the original's
+        input `residual` less the compressed stream's), so that each layer also takes back what the layers before it
+        lost. Where the decoder norms the attention's output first (Gemma 2/3, OLMo 2) the drift is left out: through
+        that norm it measured far worse (docs/compression.md)."""
+        if self.stream.arch.post_attention_norm:
+            return output
+        return output + (residual - self.compressed)
 
 
 class _Stop(Exception):

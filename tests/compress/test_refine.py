@@ -10,7 +10,9 @@ from click.testing import CliRunner
 import convert
 from convert.cli import main
 from convert.compress.refine import REFINE_STEPS, Refinement, refine_attention
+from convert.compress.sequential import SequentialCalibration
 from convert.mla.model import build_mla_model
+from convert.source import StateDictSource
 
 from conftest import compression_cli_args, hf_model
 
@@ -72,9 +74,14 @@ def _logit_error(state, model, ids) -> float:
     return float((got - want).pow(2).mean() / want.pow(2).mean())
 
 
-@pytest.mark.parametrize("layout", ["factored", "absorbed"])
-def test_refined_conversion_is_closer_to_the_original_on_unseen_tokens(layout):
-    model = hf_model("llama", num_hidden_layers=3)
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    # Llama adds the attention's output to the residual stream as it is (the goal takes the drift in), OLMo 2 norms it
+    # first (the goal is the original's output alone)
+    [("llama", "factored"), ("llama", "absorbed"), ("olmo2", "factored")],
+)
+def test_refined_conversion_is_closer_to_the_original_on_unseen_tokens(family, layout):
+    model = hf_model(family, num_hidden_layers=3)
     gen = torch.Generator().manual_seed(1)
     calib, unseen = torch.randint(0, 128, (1, 512), generator=gen), torch.randint(0, 128, (2, 64), generator=gen)
     options = dict(layout=layout, kv_cache_ratio=0.5, method="whitened", calib=calib, calib_tokens=512)
@@ -110,3 +117,22 @@ def test_cli_refine_steps_and_its_refusals(tmp_path):
         refused = CliRunner().invoke(main, args + ["-o", str(tmp_path / "bad")] + bad)
         assert refused.exit_code == 2 and message in refused.stderr, refused.output
         assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "olmo2"])
+def test_the_goal_takes_the_streams_drift_in_where_the_attention_output_enters_the_residual_stream(family):
+    """Llama adds the attention's output to the residual stream as it is: the compressed layer is asked for the
+    original's output plus the drift (the original stream's input less the compressed one's). OLMo 2 norms the
+    output first, where the drift measured far worse: the original's output alone."""
+    model = hf_model(family, num_hidden_layers=2)
+    ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(2))
+    calibration = SequentialCalibration(
+        StateDictSource(model.state_dict(), model.config.to_dict()), model.config.to_dict(), ids
+    )
+    gen = torch.Generator().manual_seed(3)
+    calibration.compressed = calibration.original + 0.1 * torch.randn(calibration.original.shape, generator=gen)
+    output = torch.randn(calibration.original.shape, generator=gen)  # (B, L, D)
+    calibration._load(0)
+    goal = calibration._goal(output, calibration.original)
+    drift = calibration.original - calibration.compressed
+    assert torch.equal(goal, output + drift if family == "llama" else output)

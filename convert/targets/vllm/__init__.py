@@ -45,7 +45,8 @@ FOREIGN = (
 )
 #: How the vllm target's compressed latent is calibrated unless --calibration says: in the closed form,
 #: original measured better at 75% and 25% of the latent's need on SmolLM2, sequential at 50%; refined
-#: (the default), the two measured the same at 25%, x1.502 and x1.501 (bench/vllm_latent.py).
+#: (the default; before the drift entered the target), the two measured the same at 25%, x1.502 and x1.501
+#: (bench/vllm_latent.py).
 VLLM_CALIBRATION = "original"
 
 
