@@ -113,8 +113,8 @@ class SequentialCalibration:
         """What the compressed layer's attention should output: the original attention's `output` (B, L, D) plus,
         where the family adds that output to the residual stream as it is, the streams' drift so far (the original's
         input `residual` less the compressed stream's), so that each layer also takes back what the layers before it
-        lost. Where the decoder norms the attention's output first (Gemma 2/3, OLMo 2) the drift is left out: through
-        that norm it measured far worse (docs/compression.md)."""
+        lost. Where the decoder norms the attention's output first (Gemma 2/3, OLMo 2) the drift is left out: fitted
+        through that norm it measured far worse on Gemma 3 (docs/compression.md)."""
         if self.stream.arch.post_attention_norm:
             return output
         return output + (residual - self.compressed)
