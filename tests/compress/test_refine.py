@@ -123,7 +123,8 @@ def test_cli_refine_steps_and_its_refusals(tmp_path):
 def test_the_goal_takes_the_streams_drift_in_where_the_attention_output_enters_the_residual_stream(family):
     """Llama adds the attention's output to the residual stream as it is: the compressed layer is asked for the
     original's output plus the drift (the original stream's input less the compressed one's). OLMo 2 norms the
-    output first, where the drift measured far worse: the original's output alone."""
+    output first, as Gemma does (where the drift, fitted through the norm, measured far worse on Gemma 3): the
+    original's output alone."""
     model = hf_model(family, num_hidden_layers=2)
     ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(2))
     calibration = SequentialCalibration(
