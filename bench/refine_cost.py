@@ -1,8 +1,9 @@
 """What attention-output refinement (`--refine-steps`) costs per layer, at a real model's shape.
 
-One compressed layer's `MLAAttention` (random weights: the cost does not depend on them) fitted by
-`convert.compress.refine.refine_attention` to a target on `--windows` calibration windows of
-`--window` tokens, as the sequential calibration hands it over: seconds per Adam step (the median
+One compressed layer's `MLAAttention` (random weights: the cost does not depend on them), in a Llama
+decoder layer of the shape's MLP, fitted by `convert.compress.refine.refine_attention` so that the
+layer's output matches a target on `--windows` calibration windows of `--window` tokens, as the
+sequential calibration hands it over: seconds per Adam step (the median
 of `--repeat` runs of 1 + `--steps` steps less that of runs of one, side by side) and the peak bytes
 a one-step fit allocates (the error evaluated on every window before and after, then the step),
 for each layout. The per-layer cost at the device's default
@@ -20,39 +21,75 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
+from transformers import LlamaConfig  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
 
 from convert.compress.refine import REFINE_STEPS, Refinement, refine_attention  # noqa: E402
 from convert.mla.attention import MLAAttention  # noqa: E402
+from convert.mla.config import MLASection  # noqa: E402
 
-#: Attention shapes (hidden size D, query heads H, key/value heads G, head dim d, layers).
+#: Decoder shapes (hidden size D, query heads H, key/value heads G, head dim d, MLP width, layers).
 SHAPES = {
-    "smollm2": (576, 9, 3, 64, 30),
-    "llama8b": (4096, 32, 8, 128, 32),
+    "smollm2": (576, 9, 3, 64, 1536, 30),
+    "llama8b": (4096, 32, 8, 128, 14336, 32),
 }
 
 
 def layer(shape: str, layout: str, ratio: float) -> MLAAttention:
     """One layer's MLA attention at `shape`, its latents `ratio` of the GQA cache (split evenly)."""
-    hidden, n_heads, n_kv_heads, head_dim, _ = SHAPES[shape]
+    hidden, n_heads, n_kv_heads, head_dim, _, _ = SHAPES[shape]
     rank = max(2, int(ratio * n_kv_heads * head_dim)) // 2 * 2  # each of K and V: ratio × G·d, pairs for RoPE
-    mla = {
-        "layout": layout,
-        "latent": "split",
-        "n_heads": n_heads,
-        "n_kv_heads": n_kv_heads,
-        "head_dim": head_dim,
-        "softmax_scale": head_dim**-0.5,
-        "rope": {"rope_type": "default"},
-        "qk_norm": None,
-    }
     freq = torch.arange(rank // 2) % (head_dim // 2)  # each key-latent pair's source frequency (absorbed)
     entry = {"rank_k": rank, "rank_v": rank, "key_freq_index": freq.tolist()}
-    return MLAAttention(hidden, mla, entry, 0)
+    mla = MLASection.from_dict(
+        {
+            "format_version": 1,
+            "converter": "bench",
+            "source_architecture": "llama",
+            "layout": layout,
+            "latent": "split",
+            "head_map": "grouped",
+            "n_layers": 1,
+            "hidden_size": hidden,
+            "n_heads": n_heads,
+            "n_kv_heads": n_kv_heads,
+            "head_dim": head_dim,
+            "softmax_scale": head_dim**-0.5,
+            "causal": True,
+            "layer_prefix": "model.layers.{i}.self_attn.",
+            "layers": [entry],
+            "rope": "rotate_half",
+        }
+    )
+    return MLAAttention(hidden, mla, mla.layers[0], 0)
+
+
+def decoder(shape: str, layout: str, ratio: float) -> torch.nn.Module:
+    """A Llama decoder layer at `shape` (random weights) with `layer(shape, layout, ratio)` as its attention."""
+    hidden, n_heads, n_kv_heads, head_dim, width, _ = SHAPES[shape]
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=width,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        head_dim=head_dim,
+    )
+    with torch.device("meta"):  # the GQA attention it is built with is replaced, never allocated
+        built = LlamaDecoderLayer(config, 0)
+    built.self_attn = None
+    built = built.to_empty(device="cpu")
+    for module in built.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.reset_parameters()
+        elif getattr(module, "weight", None) is not None:  # the RMS norms
+            torch.nn.init.ones_(module.weight)
+    built.self_attn = layer(shape, layout, ratio)
+    return built
 
 
 def call(shape: str, windows: int, window: int, generator: torch.Generator) -> tuple[dict, torch.Tensor]:
-    """(the attention's keyword arguments as the sequential calibration captures them, a target)."""
-    hidden, _, _, head_dim, _ = SHAPES[shape]
+    """(the decoder layer's keyword arguments as the sequential calibration passes them, a target)."""
+    hidden, _, _, head_dim, _, _ = SHAPES[shape]
     x = torch.randn(windows, window, hidden, generator=generator)  # (B, L, D)
     inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim)  # (d/2,)
     angles = torch.arange(window)[:, None] * inv_freq[None]  # (L, d/2)
@@ -67,13 +104,18 @@ def call(shape: str, windows: int, window: int, generator: torch.Generator) -> t
     return kwargs, torch.randn(windows, window, hidden, generator=generator)
 
 
+def _refine(built: torch.nn.Module, kwargs: dict, target: torch.Tensor, how: Refinement):
+    """`refine_attention` of `built`'s attention within `built`, as the sequential calibration calls it."""
+    return refine_attention(built.self_attn, kwargs, target, how, within=built, base=kwargs["hidden_states"])
+
+
 def _run(args, layout: str, device: torch.device, steps: int, kwargs, target) -> float:
-    """Seconds of one `refine_attention` of `steps` steps on a fresh layer."""
-    attention = layer(args.shape, layout, args.ratio)
+    """Seconds of one refinement of `steps` steps on a fresh layer."""
+    built = decoder(args.shape, layout, args.ratio)
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    refine_attention(attention, kwargs, target, Refinement(steps=steps, device=str(device)))
+    _refine(built, kwargs, target, Refinement(steps=steps, device=str(device)))
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -90,14 +132,14 @@ def measure(args, layout: str, device: torch.device) -> dict:
         fixed.append(_run(args, layout, device, 1, kwargs, target))
         timed.append(_run(args, layout, device, 1 + args.steps, kwargs, target))
     step = (_common.median(timed) - _common.median(fixed)) / args.steps
-    attention = layer(args.shape, layout, args.ratio)
+    built = decoder(args.shape, layout, args.ratio)
     how = Refinement(steps=1, device=str(device))
-    _, peak = _common.peak_allocated(refine_attention, attention, kwargs, target, how, device=device.type)
+    _, peak = _common.peak_allocated(_refine, built, kwargs, target, how, device=device.type)
     layers = SHAPES[args.shape][-1]
     default = REFINE_STEPS[device.type]
     return {
         "layout": layout,
-        "parameters": sum(p.numel() for p in attention.parameters()),
+        "parameters": sum(p.numel() for p in built.self_attn.parameters()),
         "step_s": step,
         "run_s": timed,
         "one_step_run_s": fixed,

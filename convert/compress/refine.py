@@ -1,8 +1,9 @@
 """Attention-output refinement: each compressed layer fitted to what its attention computes.
 
-After the closed-form factorization, Adam fits a layer's tensors so that its attention output on the compressed model's
-inputs matches the original's on the original's, plus (where that output enters the residual stream as it is) the
-drift of the two streams so far (docs/compression.md, "Attention-output refinement").
+After the closed-form factorization, Adam fits a layer's attention tensors so that the decoder layer, on the compressed
+model's residual stream, outputs the original model's stream (where the attention's output enters the stream as it is),
+or the compressed stream plus what the original layer adds to its own (where the decoder norms that output first)
+(docs/compression.md, "Attention-output refinement").
 """
 
 from dataclasses import dataclass
@@ -67,30 +68,51 @@ def _rows(value, index: torch.Tensor, batch: int):
     return value
 
 
-def _error(attention, kwargs: dict, target: torch.Tensor) -> torch.Tensor:
-    out = attention(**kwargs)[0]
-    return (out - target).pow(2).sum() / target.pow(2).sum()
+def _output(module: torch.nn.Module, kwargs: dict) -> torch.Tensor:
+    """The hidden states `module(**kwargs)` returns (an attention's or a decoder layer's first output)."""
+    out = module(**kwargs)
+    return out[0] if isinstance(out, tuple) else out
 
 
-def refine_attention(attention: torch.nn.Module, kwargs: dict, target: torch.Tensor, how: Refinement) -> Refined:
-    """Fit `attention`'s parameters (but those named by its `untrained_parameters` suffixes) in place so that `attention(**kwargs)[0]` matches `target`
-    (B, L, D): `how.steps` Adam steps over `how.batch` random windows each, each tensor's learning
-    rate `how.lr` × its RMS, warmed up over the first tenth and decayed to zero on a cosine, on `how.device` (the module comes
-    back where it was). Where the error on every window is not lower after, the tensors are restored."""
-    home = next(attention.parameters()).device
+def _error(module, kwargs: dict, target: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
+    """‖module(**kwargs) − target‖² relative to ‖target − base‖² (what the module should add to `base`; None: 0)."""
+    scale = target if base is None else target - base
+    return (_output(module, kwargs) - target).pow(2).sum() / scale.pow(2).sum()
+
+
+def refine_attention(
+    attention: torch.nn.Module,
+    kwargs: dict,
+    target: torch.Tensor,
+    how: Refinement,
+    within: torch.nn.Module | None = None,
+    base: torch.Tensor | None = None,
+) -> Refined:
+    """Fit `attention`'s parameters (but those named by its `untrained_parameters` suffixes) in place so
+    that `attention(**kwargs)[0]` matches `target` (B, L, D) or, given `within` (the decoder layer that
+    calls `attention`, its other tensors left as they are), so that `within(**kwargs)`'s output does, the
+    error then relative to what the layer adds to `base` (its input, B, L, D): `how.steps` Adam steps over
+    `how.batch` random windows each, each tensor's learning rate `how.lr` × its RMS, warmed up over the
+    first tenth and decayed to zero on a cosine, on `how.device` (the modules come back where they were).
+    Where the error on every window is not lower after, the tensors are restored."""
+    module = attention if within is None else within
+    home = next(module.parameters()).device
     device = torch.device(how.device)
-    attention.to(device)
+    module.to(device)
     kwargs = {name: _moved(value, device) for name, value in kwargs.items()}
     target = target.to(device)
+    base = None if base is None else base.to(device)
     batch = target.shape[0]
     with torch.no_grad():
-        before = float(_error(attention, kwargs, target))
+        before = float(_error(module, kwargs, target, base))
     if how.steps <= 0:
-        attention.to(home)
+        module.to(home)
         return Refined(before, before)
     start = {name: t.detach().clone() for name, t in attention.state_dict().items()}
     skips = tuple(getattr(attention, "untrained_parameters", ()))  # name suffixes left as they are
     params = [p for name, p in attention.named_parameters() if p.is_floating_point() and not name.endswith(skips)]
+    for p in module.parameters():  # no gradient for what is not trained (the layer's norms and MLP)
+        p.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.Adam(relative_groups(params, how.lr))
@@ -100,7 +122,8 @@ def refine_attention(attention: torch.nn.Module, kwargs: dict, target: torch.Ten
     for _ in range(how.steps):
         index = torch.randperm(batch, generator=generator)[: how.batch].to(device)
         rows = {name: _rows(value, index, batch) for name, value in kwargs.items()}
-        loss = _error(attention, rows, target.index_select(0, index))
+        window_base = None if base is None else base.index_select(0, index)
+        loss = _error(module, rows, target.index_select(0, index), window_base)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -108,9 +131,9 @@ def refine_attention(attention: torch.nn.Module, kwargs: dict, target: torch.Ten
     for p in params:
         p.requires_grad_(False)
     with torch.no_grad():
-        after = float(_error(attention, kwargs, target))
+        after = float(_error(module, kwargs, target, base))
     if not after < before:  # kept only where it measures better
         attention.load_state_dict(start)
         after = before
-    attention.to(home)
+    module.to(home)
     return Refined(before, after)

@@ -4,7 +4,6 @@ The calibration windows run through the original model and the model compressed 
 layer at a time; memory stays one decoder layer plus the two streams' hidden states (docs/design.md, "Compression").
 """
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -91,60 +90,33 @@ class SequentialCalibration:
     def advance_with(self, layer: int, attention: torch.nn.Module, refine: bool = False) -> None:
         """Run layer `layer` in both models: the original with its own attention, the compressed one
         with `attention` in its place (called as the decoder calls its self_attn). refine: first fit
-        `attention` to the original attention's output (`convert.compress.refine`)."""
+        `attention` so that the compressed layer computes what the original does (`_refine`)."""
         self._load(layer)
         positions, rotary, mask = self.stream.inputs(layer, self.original)
-        run = lambda h: self.decoder(h, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
-        capture = _captured(self.decoder.self_attn, output=True) if refine else contextlib.nullcontext({})
+        inputs = lambda h: dict(
+            hidden_states=h, attention_mask=mask, position_embeddings=rotary, position_ids=positions
+        )
         residual = self.original  # the original stream's input to the layer (B, L, D)
-        with torch.no_grad(), capture as target:
-            self.original = _hidden(run(self.original))
-        self.decoder.self_attn = attention
-        if refine:  # the compressed stream's call of `attention`, stopped there, then the fit
-            with torch.no_grad(), _captured(attention, output=False) as call, contextlib.suppress(_Stop):
-                run(self.compressed)
-            goal = self._goal(target["output"], residual)
-            self.refined.append(refine_attention(attention, call["kwargs"], goal, self.refinement))
         with torch.no_grad():
-            self.compressed = _hidden(run(self.compressed))
+            self.original = _hidden(self.decoder(**inputs(self.original)))
+        self.decoder.self_attn = attention
+        if refine:
+            self.refined.append(self._refine(attention, inputs(self.compressed), residual))
+        with torch.no_grad():
+            self.compressed = _hidden(self.decoder(**inputs(self.compressed)))
         self.decoder = None
 
-    def _goal(self, output: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """What the compressed layer's attention should output: the original attention's `output` (B, L, D) plus,
-        where the family adds that output to the residual stream as it is, the streams' drift so far (the original's
-        input `residual` less the compressed stream's), so that each layer also takes back what the layers before it
-        lost. Where the decoder norms the attention's output first (Gemma 2/3, OLMo 2) the drift is left out: fitted
-        through that norm it measured far worse on Gemma 3 (docs/compression.md)."""
+    def _refine(self, attention, inputs: dict, residual: torch.Tensor) -> Refined:
+        """Fit `attention` within the loaded decoder layer, on the compressed stream's `inputs`, so that the layer's
+        output is the goal (`self.original` is the original stream already advanced, `residual` its input). Where the
+        family adds the attention's output to the residual stream as it is, the goal is the original's stream: each
+        layer also takes back what the layers before it lost. Where the decoder norms the attention's output first
+        (Gemma 2/3, OLMo 2), taking the streams' drift back through that norm measured far worse on Gemma 3
+        (docs/compression.md): the goal is the compressed stream plus what the original layer adds to its own."""
         if self.stream.arch.post_attention_norm:
-            return output
-        return output + (residual - self.compressed)
-
-
-class _Stop(Exception):
-    """Raised by a capturing hook: what was wanted of the forward pass is had."""
-
-
-class _captured:
-    """Within the block, the module's output (output=True) or its call's keyword arguments with the
-    positional ones named (output=False: then the call stops there, raising _Stop) land in the dict."""
-
-    def __init__(self, module: torch.nn.Module, output: bool):
-        self.module, self.output, self.got = module, output, {}
-
-    def __enter__(self) -> dict:
-        if self.output:
-            hook = lambda m, args, out: self.got.__setitem__("output", _hidden(out).detach())
-            self.handle = self.module.register_forward_hook(hook)
-        else:
-            self.handle = self.module.register_forward_pre_hook(self._stop, with_kwargs=True)
-        return self.got
-
-    def _stop(self, module, args, kwargs):
-        self.got["kwargs"] = dict(zip(("hidden_states",), args)) | kwargs
-        raise _Stop
-
-    def __exit__(self, *exc) -> None:
-        self.handle.remove()
+            goal = self.compressed + (self.original - residual)  # (B, L, D)
+            return refine_attention(attention, inputs, goal, self.refinement, within=self.decoder, base=self.compressed)
+        return refine_attention(attention, inputs, self.original, self.refinement, within=self.decoder, base=residual)
 
 
 def _hidden(out):

@@ -9,7 +9,8 @@ from click.testing import CliRunner
 
 import convert
 from convert.cli import main
-from convert.compress.refine import REFINE_STEPS, Refinement, refine_attention
+from convert.compress import sequential
+from convert.compress.refine import REFINE_STEPS, Refined, Refinement, refine_attention
 from convert.compress.sequential import SequentialCalibration
 from convert.mla.model import build_mla_model
 from convert.source import StateDictSource
@@ -46,6 +47,33 @@ def test_refinement_fits_the_output_and_is_deterministic():
     assert not first.proj.weight.requires_grad
 
 
+class _Layer(torch.nn.Module):
+    """A stand-in decoder layer: the residual stream plus its attention, then a frozen nonlinear map."""
+
+    def __init__(self, attention: torch.nn.Module):
+        super().__init__()
+        self.self_attn, self.mlp = attention, torch.nn.Linear(8, 8, bias=False)
+        torch.nn.init.normal_(self.mlp.weight, generator=torch.Generator().manual_seed(0))
+
+    def forward(self, hidden_states, attention_mask=None):
+        hidden_states = hidden_states + self.self_attn(hidden_states)[0]
+        return hidden_states + torch.tanh(self.mlp(hidden_states))
+
+
+def test_refinement_within_a_layer_fits_the_layers_output_and_trains_only_the_attention():
+    kwargs, _ = _fit_problem()
+    with torch.no_grad():
+        target = _Layer(_Linear(seed=1))(**kwargs)  # the layer with the reachable attention
+    layer = _Layer(_Linear(seed=2))
+    mlp = layer.mlp.weight.clone()
+    got = refine_attention(
+        layer.self_attn, kwargs, target, Refinement(steps=200, lr=3e-2), within=layer, base=kwargs["hidden_states"]
+    )
+    assert got.after < 0.1 * got.before
+    assert torch.equal(layer.mlp.weight, mlp)  # the rest of the layer left as it was
+    assert not any(p.requires_grad for p in layer.parameters())
+
+
 def test_a_refinement_that_makes_things_worse_is_undone():
     kwargs, target = _fit_problem()
     module = _Linear(seed=1)  # near the target: steps of 1.0 can only throw it away
@@ -77,7 +105,7 @@ def _logit_error(state, model, ids) -> float:
 @pytest.mark.parametrize(
     ("family", "layout"),
     # Llama adds the attention's output to the residual stream as it is (the goal takes the drift in), OLMo 2 norms it
-    # first (the goal is the original's output alone)
+    # first (the goal leaves the streams' drift out)
     [("llama", "factored"), ("llama", "absorbed"), ("olmo2", "factored")],
 )
 def test_refined_conversion_is_closer_to_the_original_on_unseen_tokens(family, layout):
@@ -120,20 +148,34 @@ def test_cli_refine_steps_and_its_refusals(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "olmo2"])
-def test_the_goal_takes_the_streams_drift_in_where_the_attention_output_enters_the_residual_stream(family):
-    """Llama adds the attention's output to the residual stream as it is: the compressed layer is asked for the
-    original's output plus the drift (the original stream's input less the compressed one's). OLMo 2 norms the
-    output first, as Gemma does (where the drift, fitted through the norm, measured far worse on Gemma 3): the
-    original's output alone."""
+def test_the_goal_is_the_original_stream_where_the_attention_output_enters_it_as_it_is(family, monkeypatch):
+    """The compressed decoder layer, on the compressed stream, is fitted to a stream. Llama adds the attention's
+    output to the residual stream as it is: the goal is the original's stream after the layer (the drift so far is
+    taken back, through the MLP). OLMo 2 norms the output first, as Gemma does (where taking the drift back through
+    the norm measured far worse on Gemma 3): the compressed stream plus what the original layer adds to its own."""
     model = hf_model(family, num_hidden_layers=2)
     ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(2))
+    config = model.config.to_dict()
     calibration = SequentialCalibration(
-        StateDictSource(model.state_dict(), model.config.to_dict()), model.config.to_dict(), ids
+        StateDictSource(model.state_dict(), config), config, ids, refinement=Refinement(1)
     )
     gen = torch.Generator().manual_seed(3)
-    calibration.compressed = calibration.original + 0.1 * torch.randn(calibration.original.shape, generator=gen)
-    output = torch.randn(calibration.original.shape, generator=gen)  # (B, L, D)
+    original = calibration.original
+    compressed = calibration.compressed = original + 0.1 * torch.randn(original.shape, generator=gen)  # drifted
+    seen = {}
+
+    def record(attention, kwargs, target, how, within=None, base=None):
+        seen.update(kwargs=kwargs, target=target, within=within, base=base)
+        return Refined(0.0, 0.0)
+
+    monkeypatch.setattr(sequential, "refine_attention", record)
     calibration._load(0)
-    goal = calibration._goal(output, calibration.original)
-    drift = calibration.original - calibration.compressed
-    assert torch.equal(goal, output + drift if family == "llama" else output)
+    calibration.advance_with(0, calibration.decoder.self_attn, refine=True)  # the original attention stands in
+    assert torch.equal(seen["kwargs"]["hidden_states"], compressed)  # fitted on the compressed stream
+    assert isinstance(seen["within"], calibration.stream.decoder_cls)  # through the whole decoder layer
+    added = calibration.original - original  # what the original layer adds to its own stream
+    assert not torch.allclose(calibration.original, compressed + added)  # the two goals differ here
+    if family == "llama":
+        assert torch.equal(seen["target"], calibration.original) and torch.equal(seen["base"], original)
+    else:
+        assert torch.allclose(seen["target"], compressed + added) and torch.equal(seen["base"], compressed)
