@@ -46,6 +46,11 @@ def materialize(build, checkpoint, prefix: str, device, dtype) -> torch.nn.Modul
     return module.eval()
 
 
+def layer_output(out) -> torch.Tensor:
+    """The hidden states a decoder layer (or an attention) returns: its output, or a tuple's first."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def checkpoint_tensors(checkpoint, prefix: str) -> dict[str, torch.Tensor]:
     """The tensors under `prefix`, named relative to it (plain reads: `TensorSource.read`)."""
     return {k[len(prefix) :]: checkpoint.read(k) for k in checkpoint.keys() if k.startswith(prefix)}

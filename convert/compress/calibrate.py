@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from convert.stream import LayerStream
+from convert.stream import LayerStream, layer_output
 
 
 @dataclass
@@ -160,8 +160,7 @@ def fisher_calibrate_streamed(
 
 def _run_decoder(stream: LayerStream, decoder, layer: int, hidden: torch.Tensor) -> torch.Tensor:
     positions, rotary, mask = stream.inputs(layer, hidden)
-    out = decoder(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
-    return out[0] if isinstance(out, tuple) else out
+    return layer_output(decoder(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions))
 
 
 def _loss_grad(stream: LayerStream, normed: torch.Tensor, rows: torch.Tensor, chunk: int = 8192) -> torch.Tensor:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from convert.optim import relative_groups, warmup_cosine
+from convert.stream import layer_output
 
 #: Default steps per layer by the device that refines: a few seconds per SmolLM2 layer on 2 CPU cores.
 REFINE_STEPS = {"cpu": 50, "cuda": 500}
@@ -68,16 +69,10 @@ def _rows(value, index: torch.Tensor, batch: int):
     return value
 
 
-def _output(module: torch.nn.Module, kwargs: dict) -> torch.Tensor:
-    """The hidden states `module(**kwargs)` returns (an attention's or a decoder layer's first output)."""
-    out = module(**kwargs)
-    return out[0] if isinstance(out, tuple) else out
-
-
 def _error(module, kwargs: dict, target: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
     """‖module(**kwargs) − target‖² relative to ‖target − base‖² (what the module should add to `base`; None: 0)."""
     scale = target if base is None else target - base
-    return (_output(module, kwargs) - target).pow(2).sum() / scale.pow(2).sum()
+    return (layer_output(module(**kwargs)) - target).pow(2).sum() / scale.pow(2).sum()
 
 
 def refine_attention(

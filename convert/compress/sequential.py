@@ -12,7 +12,7 @@ from convert.compress.calibrate import normed_keys, windows
 from convert.compress.refine import NO_REFINEMENT, Refined, Refinement, refine_attention
 from convert.mla.attention import build_mla_attention
 from convert.mla.config import MLASection
-from convert.stream import LayerStream
+from convert.stream import LayerStream, layer_output
 
 
 @dataclass
@@ -98,12 +98,12 @@ class SequentialCalibration:
         )
         residual = self.original  # the original stream's input to the layer (B, L, D)
         with torch.no_grad():
-            self.original = _hidden(self.decoder(**inputs(self.original)))
+            self.original = layer_output(self.decoder(**inputs(self.original)))
         self.decoder.self_attn = attention
         if refine:
             self.refined.append(self._refine(attention, inputs(self.compressed), residual))
         with torch.no_grad():
-            self.compressed = _hidden(self.decoder(**inputs(self.compressed)))
+            self.compressed = layer_output(self.decoder(**inputs(self.compressed)))
         self.decoder = None
 
     def _refine(self, attention, inputs: dict, residual: torch.Tensor) -> Refined:
@@ -114,10 +114,7 @@ class SequentialCalibration:
         (Gemma 2/3, OLMo 2), taking the streams' drift back through that norm measured far worse on Gemma 3
         (docs/compression.md): the goal is the compressed stream plus what the original layer adds to its own."""
         if self.stream.arch.post_attention_norm:
-            goal = self.compressed + (self.original - residual)  # (B, L, D)
-            return refine_attention(attention, inputs, goal, self.refinement, within=self.decoder, base=self.compressed)
-        return refine_attention(attention, inputs, self.original, self.refinement, within=self.decoder, base=residual)
-
-
-def _hidden(out):
-    return out[0] if isinstance(out, tuple) else out
+            goal, base = self.compressed + (self.original - residual), self.compressed  # (B, L, D) each
+        else:
+            goal, base = self.original, residual
+        return refine_attention(attention, inputs, goal, self.refinement, within=self.decoder, base=base)

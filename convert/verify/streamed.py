@@ -16,7 +16,7 @@ from convert.layouts import module_layout
 from convert.mla.attention import build_mla_attention
 from convert.mla.config import MLASection
 from convert.plan import cache_dims
-from convert.stream import LayerStream, embedding_rows, materialize
+from convert.stream import LayerStream, embedding_rows, layer_output, materialize
 from convert.verify.run import VerifyRun
 
 VOCAB_CHUNK = 8192  # lm_head rows per chunk: chunk logits (L, C) stay small
@@ -101,8 +101,7 @@ def hidden_states(stream: _Stream, windows: list[torch.Tensor], progress=iter):
 
 def _run(decoder, hidden, inputs):
     positions, rotary, mask = inputs
-    out = decoder(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
-    return out[0] if isinstance(out, tuple) else out
+    return layer_output(decoder(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions))
 
 
 def _chunks(stream: _Stream, checkpoint: Checkpoint):
