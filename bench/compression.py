@@ -172,30 +172,35 @@ def run_vllm(src: Path, calib_ids, eval_ids, window, ratio, refine=None) -> tupl
     computes it)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from convert.compress.calibrate import calibrate, fisher_calibrate_streamed
     from convert.compress.refine import Refinement
     from convert.io import open_checkpoint
-    from convert.targets.vllm import VLLM_CALIBRATION, ExportChoices, match_vllm_norms, to_vllm_deepseek
-    from convert.targets.vllm.calibration import SequentialLatents, rotation_fit_observer
+    from convert.targets.vllm import (
+        ExportChoices,
+        export_statistics,
+        latent_sequential,
+        match_vllm_norms,
+        to_vllm_deepseek,
+    )
+    from convert.targets.vllm.bias import biased_projections
     from convert.targets.vllm.export import resolve_vllm_spec
     from convert.targets.vllm.geometry import latent_content_rank
+    from convert.targets.vllm.rope import needs_calibration
 
     t0 = time.perf_counter()
     with open_checkpoint(src) as ck:
         config, layers = ck.config, ck.config["num_hidden_layers"]
         state_dict = {n: ck.get(n) for n in ck.keys()}
         _, view, spec = resolve_vllm_spec(state_dict, config)
-        stats = calibrate(ck, config, calib_ids, layers, observe=rotation_fit_observer(view, spec, config))
         need = latent_content_rank(spec)
         rank = round(need * ratio)
-        sequential = None
-        if rank < need:  # compressed: weighed in loss units and refined, as the target does
-            for s, f in zip(stats, fisher_calibrate_streamed(ck, config, calib_ids, layers)):
-                s.key_fisher, s.value_fisher = f.key_fisher, f.value_fisher
-            refinement = Refinement.sized(refine)
-            refit = VLLM_CALIBRATION == "sequential"
-            if refit or refinement.steps:
-                sequential = SequentialLatents(ck, config, calib_ids, refit=refit, refinement=refinement)
+        compressed = rank < need  # weighed in loss units and refined, as the target does
+        biased = biased_projections(spec, view)
+        lossy = needs_calibration(spec, config, bool(biased))
+        stats = export_statistics(
+            ck, config, view, spec, calib_ids, fisher=compressed, lossy=lossy, output_bias="o" in biased
+        )
+        refinement = Refinement.sized(refine)
+        sequential = latent_sequential(ck, config, calib_ids, refinement=refinement) if compressed else None
         tensors, export_config = to_vllm_deepseek(
             state_dict, config, ExportChoices(stats, rank=rank, sequential=sequential)
         )

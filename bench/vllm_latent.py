@@ -29,11 +29,9 @@ sys.path.insert(0, "bench")
 import _common
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from convert.compress.calibrate import calibrate, fisher_calibrate_streamed
 from convert.compress.refine import Refinement
 from convert.io import open_checkpoint
-from convert.targets.vllm import ExportChoices, match_vllm_norms, to_vllm_deepseek
-from convert.targets.vllm.calibration import SequentialLatents, rotation_fit_observer
+from convert.targets.vllm import ExportChoices, export_statistics, latent_sequential, match_vllm_norms, to_vllm_deepseek
 from convert.targets.vllm.export import resolve_vllm_spec
 from convert.targets.vllm.geometry import latent_content_rank
 from convert.text import text_token_ids
@@ -54,17 +52,13 @@ dev_file = args.eval_text or _common.austen_file("persuasion")
 calib_file = args.calib or _common.austen_file("prideprejudice")
 dev = text_token_ids(dev_file, src, config["vocab_size"], 2048)
 cal = text_token_ids(calib_file, src, config["vocab_size"], 4096)
-layers = config["num_hidden_layers"]
 t0 = time.perf_counter()
 with open_checkpoint(src) as ck:
     sd = {n: ck.get(n) for n in ck.keys()}
     _, view, spec = resolve_vllm_spec(sd, config)
-    stats = calibrate(ck, config, cal, layers, observe=rotation_fit_observer(view, spec, config))
-    fisher = fisher_calibrate_streamed(ck, config, cal, layers)
+    stats = export_statistics(ck, config, view, spec, cal, fisher=True)
 calibration_s = time.perf_counter() - t0
-whitened = [type(s)(s.moment, s.mean, rotation_fit=s.rotation_fit) for s in stats]
-for s, f in zip(stats, fisher):
-    s.key_fisher, s.value_fisher = f.key_fisher, f.value_fisher
+whitened = [type(s)(s.moment, s.mean, rotation_fit=s.rotation_fit) for s in stats]  # the Fisher rows left out
 orig = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
 
 
@@ -89,12 +83,8 @@ for share in [float(x) for x in args.shares.split(",")]:
             continue  # exact: no weighting involved
         t0 = time.perf_counter()
         with open_checkpoint(src) as ck:
-            refinement = Refinement(steps=steps)
-            seq = (
-                SequentialLatents(ck, config, cal, refit=sequential, refinement=refinement)
-                if (sequential or steps) and share < 1.0
-                else None
-            )
+            calibration = "sequential" if sequential else "original"
+            seq = latent_sequential(ck, config, cal, calibration, Refinement(steps=steps)) if share < 1.0 else None
             t, c = to_vllm_deepseek(sd, config, ExportChoices(stats=layer_stats, rank=rank, sequential=seq))
         export_s = time.perf_counter() - t0
         export = c.pop("convert_export")

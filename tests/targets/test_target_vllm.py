@@ -319,10 +319,10 @@ def test_refining_a_compressed_latent_fits_each_layer_and_moves_only_what_vllm_r
     """A tiny Llama's latent compressed to a third of what it needs (`ExportChoices(rank=…)`, as
     every 7B+ source's is into vLLM's 512), without and with attention-output refinement: refined,
     every layer's attention-output error on the calibration text falls; only attention tensors
-    move, and not the biases vLLM never reads; the export records the steps."""
-    from convert import compress
+    move, and not the biases vLLM never reads; the export records the steps. Made with the pieces
+    the target calibrates with (`export_statistics`, `latent_sequential`), as the benches make it."""
     from convert.io import open_checkpoint
-    from convert.targets.vllm.calibration import SequentialLatents, rotation_fit_observer
+    from convert.targets.vllm import export_statistics, latent_sequential
     from convert.targets.vllm.export import resolve_vllm_spec
     from convert.targets.vllm.geometry import latent_content_rank
 
@@ -330,18 +330,20 @@ def test_refining_a_compressed_latent_fits_each_layer_and_moves_only_what_vllm_r
     original.save_pretrained(tmp_path / "src", safe_serialization=True)
     config = json.loads((tmp_path / "src" / "config.json").read_text())
     calib = torch.randint(0, VOCAB, (1, 1024), generator=torch.Generator().manual_seed(2))
-    exports, refined = {}, None
+    exports = {}
     with open_checkpoint(tmp_path / "src") as checkpoint:
         state = {name: checkpoint.get(name) for name in checkpoint.keys()}
         _, view, spec = resolve_vllm_spec(state, config)
-        stats = compress.calibrate(checkpoint, config, calib, LAYERS, observe=rotation_fit_observer(view, spec, config))
+        stats = export_statistics(checkpoint, config, view, spec, calib, fisher=False)  # the plain moments
+        assert all(layer.key_fisher is None and layer.rotation_fit is not None for layer in stats)
         rank = latent_content_rank(spec) // 3
         for steps in (0, 40):
-            sequential = SequentialLatents(checkpoint, config, calib, refit=False, refinement=Refinement(steps=steps))
+            sequential = latent_sequential(checkpoint, config, calib, "original", Refinement(steps=steps))
+            assert (sequential is None) == (steps == 0)  # neither refit nor refined: nothing to run
             choices = ExportChoices(stats=stats, rank=rank, sequential=sequential)
             exports[steps], export_config = to_vllm_deepseek(state, config, choices)
             assert export_config["convert_export"]["latent_refine_steps"] == steps
-            refined = sequential.calibration.refined
+        refined = sequential.calibration.refined
     assert len(refined) == LAYERS and all(layer.after < layer.before for layer in refined), refined
     moved = [name for name in exports[0] if not torch.equal(exports[0][name], exports[40][name])]
     assert moved and all(".self_attn." in name for name in moved)

@@ -5,18 +5,16 @@ tensor stream) and `to_vllm_deepseek` (in memory)."""
 
 import torch
 
-from convert import compress
 from convert.arch import AttentionSpec
 from convert.compress.refine import Refinement
 from convert.errors import ConvertError
 from convert.hf import load_pretrained
 from convert.layouts import attention_view
-from convert.progress import progress_bar
 from convert.source import LazyTensors, StateDictSource
 from convert.targets import Build
 from convert.targets.deepseek import check_deepseek, export_model, export_sizes, export_spec, exporting
-from convert.targets.vllm.bias import biased_projections, observers, output_observer
-from convert.targets.vllm.calibration import SequentialLatents, rotation_fit_observer
+from convert.targets.vllm.bias import biased_projections
+from convert.targets.vllm.calibration import VLLM_CALIBRATION, export_statistics, latent_sequential
 from convert.targets.vllm.export import ExportChoices, stream_export, to_vllm_deepseek, vllm_export
 from convert.targets.vllm.geometry import needs_compression
 from convert.targets.vllm.notes import NAME, report, short_note
@@ -27,9 +25,12 @@ from convert.text import calibration_ids
 __all__ = [
     "FOREIGN",
     "NAME",
+    "VLLM_CALIBRATION",
     "ExportChoices",
     "build",
     "check",
+    "export_statistics",
+    "latent_sequential",
     "load",
     "match_vllm_norms",
     "model",
@@ -43,11 +44,6 @@ FOREIGN = (
     "stock transformers runs it as a DeepseekV3ForCausalLM and computes the model vLLM serves (compare or "
     "evaluate there); to train it, use convert heal, which keeps frozen the biases vLLM ignores"
 )
-#: How the vllm target's compressed latent is calibrated unless --calibration says: in the closed form,
-#: original measured better at 75% and 25% of the latent's need on SmolLM2, sequential at 50%; refined
-#: (the default; before the drift entered the target), the two measured the same at 25%, x1.502 and x1.501
-#: (bench/vllm_latent.py).
-VLLM_CALIBRATION = "original"
 
 
 def check(spec: AttentionSpec, opts) -> None:
@@ -113,27 +109,24 @@ def _export(source, state_dict, opts):
 
 
 def _calibrated(source, view, spec: AttentionSpec, config: dict, opts, biased: list[str], lossy: bool) -> ExportChoices:
-    """The export's choices from --calib: the statistics (with the rotation stand-in's fit when the
-    export is lossy, the attention outputs' moments for an o_proj bias, the Fisher rows when the
-    latent is compressed) and, when asked, the compressed latent's sequential calibration. lossy:
-    `needs_calibration` of the export (the stand-in for the dropped rotations is fitted)."""
+    """The export's choices from --calib: the statistics (`export_statistics`) and, where the latent is
+    compressed, its sequential calibration and refinement (`latent_sequential`, refined as long as the
+    device's default unless --refine-steps says). lossy: `needs_calibration` of the export."""
     ids = calibration_ids(source, opts)
-    bar = progress_bar("calibrating", "layer", opts.progress)
-    rotation_fit = rotation_fit_observer(view, spec, config) if lossy else None
-    observe = observers(rotation_fit, output_observer() if "o" in biased else None)
-    stats = compress.calibrate(source, config, ids, spec.n_layers, progress=bar, observe=observe)
-    if not needs_compression(spec, config["hidden_size"]):
+    compressed = needs_compression(spec, config["hidden_size"])
+    stats = export_statistics(
+        source,
+        config,
+        view,
+        spec,
+        ids,
+        fisher=compressed,
+        lossy=lossy,
+        output_bias="o" in biased,
+        progress=opts.progress,
+    )
+    if not compressed:
         return ExportChoices(stats=stats)
-    # the latent is compressed: weigh it in loss units
-    fisher_bar = progress_bar("fisher statistics", "layer", opts.progress)
-    fisher = compress.fisher_calibrate_streamed(source, config, ids, spec.n_layers, progress=fisher_bar)
-    for layer_stats, layer_fisher in zip(stats, fisher):
-        layer_stats.key_fisher, layer_stats.value_fisher = layer_fisher.key_fisher, layer_fisher.value_fisher
-    refit = (opts.calibration or VLLM_CALIBRATION) == "sequential"
     # each compressed layer fitted to its attention output, as the MLA layouts are (sized to the device)
     refinement = Refinement.sized(opts.refine_steps)
-    sequential = None
-    if refit or refinement.steps:
-        module_source = getattr(source, "module_source", source)
-        sequential = SequentialLatents(module_source, config, ids, refit=refit, refinement=refinement)
-    return ExportChoices(stats=stats, sequential=sequential)
+    return ExportChoices(stats=stats, sequential=latent_sequential(source, config, ids, opts.calibration, refinement))
