@@ -58,8 +58,8 @@ def export_statistics(
     stats = compress.calibrate(source, config, ids, spec.n_layers, progress=bar, observe=observe)
     if fisher:
         bar = progress_bar("fisher statistics", "layer", progress)
-        fisher = compress.fisher_calibrate_streamed(source, config, ids, spec.n_layers, progress=bar)
-        for layer_stats, layer_fisher in zip(stats, fisher):
+        rows = compress.fisher_calibrate_streamed(source, config, ids, spec.n_layers, progress=bar)
+        for layer_stats, layer_fisher in zip(stats, rows):
             layer_stats.key_fisher, layer_stats.value_fisher = layer_fisher.key_fisher, layer_fisher.value_fisher
     return stats
 
