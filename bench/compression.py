@@ -210,7 +210,7 @@ def run_vllm(src: Path, calib_ids, eval_ids, window, ratio, refine=None) -> tupl
     model.load_state_dict(tensors, strict=False)
     match_vllm_norms(model)
     row = {
-        "method": "fisher" if rank < need else "exact",
+        "method": "fisher" if compressed else "exact",
         "layout": "vllm",
         "ratio": ratio,
         "cache_dims": rank * layers,
@@ -440,7 +440,7 @@ def _cell(row: dict | None, goal: float | None) -> str:
 
 def markdown(result: dict) -> str:
     """The table (one row per layout and method, one column per share) and a line on the goals."""
-    rows = result["rows"]
+    rows, goals = result["rows"], _goals(result)
     ratios = sorted({r["ratio"] for r in rows}, reverse=True)
     lines = [
         "| layout | method | " + " | ".join(f"{r:.1%}".replace(".0%", "%") for r in ratios) + " |",
@@ -452,11 +452,11 @@ def markdown(result: dict) -> str:
         cells = []
         for ratio in ratios:
             hit = [r for r in curve if r["ratio"] == ratio]
-            cells.append(_cell(hit[0] if hit else None, _goals(result).get(layout, {}).get(ratio)))
+            cells.append(_cell(hit[0] if hit else None, goals.get(layout, {}).get(ratio)))
         lines.append(f"| {layout} | {_label(method, angle, calibration, refine)} | " + " | ".join(cells) + " |")
-    goals = [
+    stated = [
         f"{layout} {share:.0%} ≤ ×{goal:.2f}"
-        for layout, shares in _goals(result).items()
+        for layout, shares in goals.items()
         if any(r["layout"] == layout for r in rows)
         for share, goal in shares.items()
     ]
@@ -471,7 +471,7 @@ def markdown(result: dict) -> str:
             else ""
         )
         + "✓/✗: the one-shot goal ("
-        + ", ".join(goals)
+        + ", ".join(stated)
         + ") met or missed; —: not measured.",
     ]
     return "\n".join(lines)
