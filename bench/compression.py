@@ -17,6 +17,7 @@ calibration novel) and judged again. Rows are saved as they are measured.
     python bench/compression.py --calib A.txt --eval-text B.txt --shares 0.25,0.5 --layouts vllm
     python bench/compression.py --render              # table and plot from the saved JSON only
     python bench/compression.py --model gemma3        # the second family (results/compression_gemma3.json)
+    python bench/compression.py --model gemma3 --shares 0.5 --out /tmp/g.json --merge   # one share into its table
 
 prints `share 0.25 ppl_ratio 1.234` for every row (and `healed_ppl_ratio` when healed).
 A full run (and `--render`) writes the perplexity-vs-cache plot
@@ -107,6 +108,13 @@ def parse_args(argv=None):
         help="--refine-steps values to compare side by side (e.g. 0,50); default the option's own (sized to the device)",
     )
     p.add_argument("--out", type=Path, default=None, help="default bench/results/compression[_MODEL].json")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="after the run, put its rows into the model's table (the default --out's JSON, measured on the same "
+        "texts with the same original perplexity), each with this command, replacing a row of the same variant "
+        "and share; then redraw the table and plot from it",
+    )
     p.add_argument(
         "--render",
         action="store_true",
@@ -309,8 +317,38 @@ def main(argv=None):
             flush=True,
         )
     print(markdown(result))
-    if args.out == parse_args(["--model", args.model]).out:  # the full default table: the docs show it
+    table = parse_args(["--model", args.model]).out
+    if args.merge and args.out != table:
+        result = merge(result, table)
+        args.out = table
+    if args.out == table:  # the full default table: the docs show it
         render(result, args)
+
+
+def merge(result: dict, into: Path) -> dict:
+    """`into`'s result with `result`'s rows in it, each recording `result`'s command and healing steps; a row of
+    the same variant and share is replaced, a new one appended. Refused (exit) unless both were measured on the
+    same model and texts with the same original perplexity."""
+    table = json.loads(into.read_text())
+    for key in ("model", "calib", "eval"):
+        if table.get(key) != result[key]:
+            raise SystemExit(f"{into}: its {key} {table.get(key)} is not this run's {result[key]}; not merged")
+    same_heal = {k: v for k, v in table["heal"].items() if k != "steps"} == {
+        k: v for k, v in result["heal"].items() if k != "steps"
+    }
+    if not same_heal or abs(table["original_ppl"] / result["original_ppl"] - 1) > 1e-6:
+        raise SystemExit(f"{into}: healed on other text, or the original's perplexity differs; not merged")
+    rows = table["rows"]
+    for row in result["rows"]:
+        row = {"command": result["command"], "heal_steps": 0} | row  # a healed row has its own heal_steps
+        same = [i for i, r in enumerate(rows) if (_variant(r), r["ratio"]) == (_variant(row), row["ratio"])]
+        if same:
+            rows[same[0]] = row
+        else:
+            rows.append(row)
+    into.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"merged {len(result['rows'])} rows into {into}")
+    return table
 
 
 def markers(model: str) -> tuple[str, str]:

@@ -1,0 +1,63 @@
+"""`bench/compression.py --merge`: a run of some shares put into the model's table, which the docs render.
+
+A row of the same variant and share is replaced, a new one appended, each recording the command that measured it;
+a run on other text, or against another original perplexity, is refused and the table left as it was."""
+
+import importlib.util
+import json
+
+import pytest
+
+from conftest import REPO
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_compression", REPO / "bench" / "compression.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+B = _bench()
+TEXTS = {"model": "Gemma 3 270M", "calib": {"book": "p", "tokens": 4096}, "eval": {"book": "n", "tokens": 4096}}
+
+
+def _row(ratio: float, ppl_ratio: float, **extra) -> dict:
+    return dict(
+        method="fisher", layout="factored", ratio=ratio, nope_angle=None, calibration="sequential", refine_steps=50,
+        ppl_ratio=ppl_ratio, **extra,
+    )  # fmt: skip
+
+
+def _result(rows: list[dict], command: str, heal_steps: int = 50, original: float = 61.26) -> dict:
+    heal = {"book": "p", "tokens": 16384, "steps": heal_steps}
+    return TEXTS | {"original_ppl": original, "heal": heal, "rows": rows, "command": command}
+
+
+def test_merge_replaces_the_same_share_and_appends_a_new_one(tmp_path):
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(_result([_row(0.5, 1.08), _row(0.25, 1.37, heal_steps=50)], "first")))
+    run = _result([_row(0.5, 1.07, heal_steps=50, healed_ppl_ratio=1.05), _row(0.125, 2.05)], "second", 0)
+
+    merged = B.merge(run, table)
+
+    assert merged == json.loads(table.read_text())
+    by_share = {r["ratio"]: r for r in merged["rows"]}
+    assert [r["ratio"] for r in merged["rows"]] == [0.5, 0.25, 0.125]
+    assert by_share[0.5]["ppl_ratio"] == 1.07 and by_share[0.5]["healed_ppl_ratio"] == 1.05
+    assert by_share[0.5]["command"] == "second" and by_share[0.5]["heal_steps"] == 50
+    assert by_share[0.125]["command"] == "second" and by_share[0.125]["heal_steps"] == 0  # one-shot
+    assert by_share[0.25] == _row(0.25, 1.37, heal_steps=50)  # not measured again: left as it was
+    assert merged["command"] == "first"
+
+
+@pytest.mark.parametrize(
+    "change", [{"eval": {"book": "emma", "tokens": 4096}}, {"original_ppl": 61.3}, {"model": "SmolLM2-135M"}]
+)
+def test_merge_refuses_other_text_and_leaves_the_table(tmp_path, change):
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(_result([_row(0.5, 1.08)], "first")))
+    before = table.read_text()
+    with pytest.raises(SystemExit, match="not merged"):
+        B.merge(_result([_row(0.5, 1.07)], "second") | change, table)
+    assert table.read_text() == before
