@@ -58,6 +58,16 @@ PROSE = (
 CONVERT_STDERR_LINE = re.compile(r"^(convert \w+ .+|[a-z][\w ()-]*( \.\.\.|: .+)|(note|warning): .+)$")
 
 
+def bench_module(name: str):
+    """The benchmark script `bench/<name>.py` as a module (bench/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name.lstrip('_')}", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
     """Relative Frobenius error ||approx - exact|| / ||exact||."""
     approx, exact = approx.detach(), exact.detach()

@@ -3,22 +3,13 @@
 A row of the same variant and share is replaced, a new one appended, each recording the command that measured it;
 a run on other text, or against another original perplexity, is refused and the table left as it was."""
 
-import importlib.util
 import json
 
 import pytest
 
-from conftest import REPO
+from conftest import bench_module
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_compression", REPO / "bench" / "compression.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-B = _bench()
+B = bench_module("compression")
 TEXTS = {"model": "Gemma 3 270M", "calib": {"book": "p", "tokens": 4096}, "eval": {"book": "n", "tokens": 4096}}
 
 

@@ -6,7 +6,6 @@ own SDPA attention on the same model, at a shape where attention dominates the a
 original nor a conversion allocates a (B, H, L, S) score tensor. `bench/train_step.py` measures the
 same on SmolLM2 (prefill, training steps under `Trainer`, `torch.compile`); its tiny run is here."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import torch
 
 import convert
 
-from conftest import REPO, hf_model
+from conftest import REPO, bench_module, hf_model
 
 BATCH, LENGTH = 2, 512
 SHAPE = dict(
@@ -26,15 +25,7 @@ SHAPE = dict(
 SCORES_BYTES = BATCH * SHAPE["num_attention_heads"] * LENGTH * LENGTH * 4
 
 
-def _bench_common():
-    """bench/_common.py, the benchmarks' helpers (AllocationPeak)."""
-    spec = importlib.util.spec_from_file_location("bench_common", REPO / "bench" / "_common.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-C = _bench_common()
+C = bench_module("_common")  # the benchmarks' helpers (AllocationPeak)
 
 # name -> to_mla options (None: the original)
 VARIANTS = {
