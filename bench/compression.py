@@ -28,7 +28,6 @@ A full run (and `--render`) writes the perplexity-vs-cache plot
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -252,6 +251,7 @@ def main(argv=None):
     if args.render:
         render(json.loads(args.out.read_text()), args)
         return
+    from _common import machine  # bench/ is on the path of a script run from it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = MODELS[args.model][0]()
@@ -274,7 +274,7 @@ def main(argv=None):
         "heal": {"book": str(args.calib or args.calib_book), "tokens": heal_ids.shape[-1], "steps": args.heal_steps},
         "eval": {"book": str(args.eval_text or args.eval_book), "tokens": eval_ids.shape[-1], "window": args.window},
         "rows": rows,
-        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
+        "machine": machine(),  # the CPU's kernels round differently: a refined row can move by 0.01
         "command": " ".join([sys.executable, *sys.argv]),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -326,9 +326,9 @@ def main(argv=None):
 
 
 def merge(result: dict, into: Path) -> dict:
-    """`into`'s result with `result`'s rows in it, each recording `result`'s command and healing steps; a row of
-    the same variant and share is replaced, a new one appended. Refused (exit) unless both were measured on the
-    same model and texts with the same original perplexity."""
+    """`into`'s result with `result`'s rows in it, each recording `result`'s command, machine and healing steps;
+    a row of the same variant and share is replaced, a new one appended. Refused (exit) unless both were measured
+    on the same model and texts with the same original perplexity."""
     table = json.loads(into.read_text())
     for key in ("model", "calib", "eval"):
         if table.get(key) != result[key]:
@@ -340,7 +340,7 @@ def merge(result: dict, into: Path) -> dict:
         raise SystemExit(f"{into}: healed on other text, or the original's perplexity differs; not merged")
     rows = table["rows"]
     for row in result["rows"]:
-        row = {"command": result["command"], "heal_steps": 0} | row  # a healed row has its own heal_steps
+        row = {"command": result["command"], "machine": result["machine"], "heal_steps": 0} | row  # healed: its own
         same = [i for i, r in enumerate(rows) if (_variant(r), r["ratio"]) == (_variant(row), row["ratio"])]
         if same:
             rows[same[0]] = row

@@ -22,7 +22,8 @@ def _row(ratio: float, ppl_ratio: float, **extra) -> dict:
 
 def _result(rows: list[dict], command: str, heal_steps: int = 50, original: float = 61.26) -> dict:
     heal = {"book": "p", "tokens": 16384, "steps": heal_steps}
-    return TEXTS | {"original_ppl": original, "heal": heal, "rows": rows, "command": command}
+    machine = {"cpu": f"the CPU of {command}"}
+    return TEXTS | {"original_ppl": original, "heal": heal, "rows": rows, "command": command, "machine": machine}
 
 
 def test_merge_replaces_the_same_share_and_appends_a_new_one(tmp_path):
@@ -38,6 +39,7 @@ def test_merge_replaces_the_same_share_and_appends_a_new_one(tmp_path):
     assert by_share[0.5]["ppl_ratio"] == 1.07 and by_share[0.5]["healed_ppl_ratio"] == 1.05
     assert by_share[0.5]["command"] == "second" and by_share[0.5]["heal_steps"] == 50
     assert by_share[0.125]["command"] == "second" and by_share[0.125]["heal_steps"] == 0  # one-shot
+    assert by_share[0.125]["machine"] == {"cpu": "the CPU of second"}
     assert by_share[0.25] == _row(0.25, 1.37, heal_steps=50)  # not measured again: left as it was
     assert merged["command"] == "first"
 
