@@ -243,6 +243,7 @@ def healed(model, original, heal_ids, eval_ids, window, steps: int) -> dict:
         "heal_tokens": report["train_tokens"],
         "heal_s": time.perf_counter() - t0,
         "healed_ppl": perplexity(model.eval(), eval_ids, window),
+        "heal_checks": report.get("checks"),  # held-out KL on the healing text: what chose the weights kept
     }
 
 
