@@ -52,7 +52,7 @@ class HealOptions(FromKwargs):
     tokens: int | None = option(
         None,
         "Tokens of --text to use (the last eighth is held out unless --eval-text; of the rest, the last "
-        "sixteenth, at most 32,768, is kept for --check-every). Default: sized by the device (CPU 16,384, "
+        "sixteenth, at most 32,768, is kept for --check-every). Default: sized by the device (CPU 51,200, "
         "CUDA 4,194,304).",
         group="training",
         kind=int,
@@ -140,9 +140,10 @@ class HealOptions(FromKwargs):
 
 
 #: Healing's sizes by device, for the options left unset: what two CPU cores train in minutes
-#: (measured: docs/healing.md), and a GPU's (16,384 tokens a step; docs/healing.md, "Sized by the device").
+#: (measured: docs/healing.md), and a GPU's (8,192 tokens a step; docs/healing.md, "Sized by the device").
+#: The CPU reads as many tokens as its steps train, so each window is trained about once.
 HEAL_SIZES = {
-    "cpu": {"steps": 200, "window": 256, "tokens": 16384, "batch_size": 1},
+    "cpu": {"steps": 200, "window": 256, "tokens": 51200, "batch_size": 1},
     "cuda": {"steps": 2000, "window": 1024, "tokens": 1 << 22, "batch_size": 8},
 }
 
