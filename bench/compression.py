@@ -69,7 +69,13 @@ def parse_args(argv=None):
     p.add_argument("--eval-book", default="northangerabbey")
     p.add_argument("--calib", type=Path, default=None, help="calibrate on this UTF-8 text instead of --calib-book")
     p.add_argument("--eval-text", type=Path, default=None, help="judge on this UTF-8 text instead of --eval-book")
-    p.add_argument("--calib-tokens", type=int, default=4096)
+    p.add_argument(
+        "--calib-tokens",
+        type=int,
+        default=convert.ConvertOptions.calib_tokens,
+        help="calibration tokens (the package's default; the Fisher statistics read the first --fisher-tokens)",
+    )
+    p.add_argument("--fisher-tokens", type=int, default=convert.ConvertOptions.fisher_tokens)
     p.add_argument("--eval-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=1024)
     p.add_argument(
@@ -140,7 +146,17 @@ def token_ids(tokenizer, book: str, n: int, path: Path | None = None) -> torch.T
 
 
 def run_one(
-    model, calib_ids, eval_ids, window, method, layout, ratio, nope_angle=None, calibration="original", refine=None
+    model,
+    calib_ids,
+    eval_ids,
+    window,
+    method,
+    layout,
+    ratio,
+    nope_angle=None,
+    calibration="original",
+    refine=None,
+    fisher_tokens=convert.ConvertOptions.fisher_tokens,
 ) -> tuple[dict, torch.nn.Module]:
     """One conversion of `model` in an MLA layout: (its row, the converted model)."""
     t0 = time.perf_counter()
@@ -149,6 +165,7 @@ def run_one(
     options |= {} if nope_angle is None else {"nope_angle": nope_angle}
     if ratio < 1:
         options |= dict(method=method, calib=calib_ids if method != "svd" else None, calib_tokens=calib_ids.shape[-1])
+        options |= dict(fisher_tokens=fisher_tokens)
     state = convert.convert_state_dict(model.state_dict(), model.config, **options)
     convert_s = time.perf_counter() - t0
     mla_model = build_mla_model(state.config, dict(state), torch.float32)
@@ -172,7 +189,9 @@ def run_one(
     return row, mla_model
 
 
-def run_vllm(src: Path, calib_ids, eval_ids, window, ratio, refine=None) -> tuple[dict, torch.nn.Module]:
+def run_vllm(
+    src: Path, calib_ids, eval_ids, window, ratio, refine=None, fisher_tokens=convert.ConvertOptions.fisher_tokens
+) -> tuple[dict, torch.nn.Module]:
     """The `--target vllm` export of `src` with its latent at `ratio` of the dims its position-free
     keys and values need, calibrated as the target calibrates (Fisher-weighted latent, refined
     `refine` steps, None: sized by the device): (its row, transformers' DeepseekV3 twin as vLLM
@@ -204,7 +223,15 @@ def run_vllm(src: Path, calib_ids, eval_ids, window, ratio, refine=None) -> tupl
         biased = biased_projections(spec, view)
         lossy = needs_calibration(spec, config, bool(biased))
         stats = export_statistics(
-            ck, config, view, spec, calib_ids, fisher=compressed, lossy=lossy, output_bias="o" in biased
+            ck,
+            config,
+            view,
+            spec,
+            calib_ids,
+            fisher=compressed,
+            lossy=lossy,
+            output_bias="o" in biased,
+            fisher_tokens=fisher_tokens,
         )
         refinement = Refinement.sized(refine)
         sequential = latent_sequential(ck, config, calib_ids, refinement=refinement) if compressed else None
@@ -271,7 +298,11 @@ def main(argv=None):
         "model": MODELS[args.model][1],
         "original_ppl": base,
         "goals": {layout: {str(share): goal for share, goal in g.items()} for layout, g in GOALS[args.model].items()},
-        "calib": {"book": str(args.calib or args.calib_book), "tokens": calib_ids.shape[-1]},
+        "calib": {
+            "book": str(args.calib or args.calib_book),
+            "tokens": calib_ids.shape[-1],
+            "fisher_tokens": min(args.fisher_tokens, calib_ids.shape[-1]),
+        },
         "heal": {"book": str(args.calib or args.calib_book), "tokens": heal_ids.shape[-1], "steps": args.heal_steps},
         "eval": {"book": str(args.eval_text or args.eval_book), "tokens": eval_ids.shape[-1], "window": args.window},
         "rows": rows,
@@ -296,10 +327,20 @@ def main(argv=None):
     ]
     for layout, ratio, method, angle, calibration, refine in runs:
         if layout == "vllm":
-            row, converted = run_vllm(src, calib_ids, eval_ids, args.window, ratio, refine)
+            row, converted = run_vllm(src, calib_ids, eval_ids, args.window, ratio, refine, args.fisher_tokens)
         else:
             row, converted = run_one(
-                model, calib_ids, eval_ids, args.window, method, layout, ratio, angle, calibration, refine
+                model,
+                calib_ids,
+                eval_ids,
+                args.window,
+                method,
+                layout,
+                ratio,
+                angle,
+                calibration,
+                refine,
+                args.fisher_tokens,
             )
         row["ppl_ratio"] = row["ppl"] / base
         row["target"] = GOALS[args.model].get(layout, {}).get(ratio)

@@ -96,6 +96,7 @@ def _compression_section(plan, opts) -> dict | None:
         "achieved_ratio": plan.cache_dims / plan.gqa_cache_dims,
         "calib": None if calib is None else str(calib),
         "calib_tokens": opts.calib_tokens if calib is not None else None,
+        "fisher_tokens": opts.fisher_tokens if calib is not None and opts.resolved_method == "fisher" else None,
         "calibration": opts.resolved_calibration if calib is not None else None,
         # Adam steps per layer fitting its attention output (convert.compress.refine; 0: none)
         "refine_steps": opts.refine_steps if calib is not None and opts.resolved_method != "svd" else 0,

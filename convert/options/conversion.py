@@ -117,7 +117,7 @@ class ConvertOptions(VerifyOptions):
     Model description (only for a bare file without config.json): arch, n_heads,
     n_kv_heads, head_dim. Math: head_map, latent, layout, rank. Compression (lossy):
     kv_cache_ratio or rank; method, allocation, calib (a text file, or token ids
-    (1, N) from the API), calib_tokens. Output: max_shard_size, force. Verification:
+    (1, N) from the API), calib_tokens, fisher_tokens. Output: max_shard_size, force. Verification:
     verify and the `VerifyOptions` fields.
     """
 
@@ -163,7 +163,18 @@ class ConvertOptions(VerifyOptions):
         group="compression",
         kind=Path,
     )
-    calib_tokens: int = option(4096, "Tokens of --calib to use.", group="compression")
+    calib_tokens: int = option(
+        16384,
+        "Tokens of --calib to use: the sequential calibration and the refinement run on all of them (windows of "
+        "1,024), the Fisher statistics on the first --fisher-tokens.",
+        group="compression",
+    )
+    fisher_tokens: int = option(
+        4096,
+        "Tokens of --calib (its first) that --method fisher's statistics read: a forward and backward pass "
+        "through the whole model per window, the costly part per token.",
+        group="compression",
+    )
     allocation: str | None = option(
         None,
         "The same rank in every latent, or spend the budget across layers and K/V by weighted energy "
@@ -307,6 +318,8 @@ class ConvertOptions(VerifyOptions):
             raise ConvertError(f"--nope-angle {self.nope_angle} must be a non-negative angle in radians (0: off)")
         if self.calib_tokens < 2:
             raise ConvertError(f"--calib-tokens {self.calib_tokens} must be at least 2")
+        if self.fisher_tokens < 2:
+            raise ConvertError(f"--fisher-tokens {self.fisher_tokens} must be at least 2")
         if self.refine_steps is not None and self.refine_steps < 0:
             raise ConvertError(f"--refine-steps {self.refine_steps} must be 0 (no refinement) or more")
         if self.refine_steps and self.lossy and self.resolved_method == "svd":

@@ -124,9 +124,11 @@ def _calibration(source, spec: AttentionSpec, opts: ConvertOptions):
     config = source.config or {}
     source = getattr(source, "module_source", source)  # as the original model's modules read it (Phi-3: unsplit)
     ids = calibration_ids(source, opts)
-    if opts.resolved_method == "fisher":  # one decoder layer at a time, forward then backward
+    if opts.resolved_method == "fisher":  # one decoder layer at a time, forward then backward, on the first tokens
         bar = progress_bar("calibrating (Fisher)", "layer", opts.progress)
-        return compress.fisher_calibrate_streamed(source, config, ids, spec.n_layers, progress=bar)
+        return compress.fisher_calibrate_streamed(
+            source, config, ids[:, : opts.fisher_tokens], spec.n_layers, progress=bar
+        )
     bar = progress_bar("calibrating", "layer", opts.progress)
     return compress.calibrate(source, config, ids, spec.n_layers, progress=bar)
 

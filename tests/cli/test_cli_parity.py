@@ -66,6 +66,7 @@ NON_DEFAULTS = {
     "allocation": (["--allocation", "global"], "global"),
     "calib": (["--calib", "c.txt"], Path("c.txt")),
     "calib_tokens": (["--calib-tokens", "99"], 99),
+    "fisher_tokens": (["--fisher-tokens", "77"], 77),
     "nope_angle": (["--nope-angle", "1.5"], 1.5),
     "calibration": (["--calibration", "sequential"], "sequential"),
     "refine_steps": (["--refine-steps", "7"], 7),

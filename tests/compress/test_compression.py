@@ -202,3 +202,27 @@ def test_streamed_fisher_pass_equals_the_whole_model_pass(family, tmp_path):
         assert (ours.normed_key_moment is None) == (theirs.normed_key_moment is None)
         if theirs.normed_key_moment is not None:
             assert rel(ours.normed_key_moment, theirs.normed_key_moment) < 1e-6
+
+
+def test_the_fisher_statistics_read_the_first_fisher_tokens_and_the_streams_read_them_all():
+    model = hf_model("llama", num_hidden_layers=2)
+    calib = torch.randint(0, 128, (1, 2048), generator=torch.Generator().manual_seed(3))  # two windows of 1,024
+    first = calib[:, :1024]
+
+    def converted(ids, **options):
+        options = dict(kv_cache_ratio=0.5, method="fisher", calib=ids) | options
+        return convert.convert_state_dict(model.state_dict(), model.config, **options)
+
+    def same(a, b):
+        return all(torch.equal(a[name], b[name]) for name in a)
+
+    # the absorbed layout calibrated on the original's inputs, unrefined: the Fisher pass is all that reads the text
+    closed = dict(layout="absorbed", calibration="original", refine_steps=0)
+    cut = converted(calib, fisher_tokens=1024, **closed)
+    assert same(cut, converted(first, **closed))
+    assert not same(cut, converted(calib, fisher_tokens=2048, **closed))
+    section = cut.config["mla"]["compression"]
+    assert (section["calib_tokens"], section["fisher_tokens"]) == (16384, 1024)
+    # the sequential calibration and the refinement run on every calibration token
+    streamed = dict(layout="factored", calibration="sequential", refine_steps=5)
+    assert not same(converted(calib, fisher_tokens=1024, **streamed), converted(first, **streamed))

@@ -124,6 +124,7 @@ def _calibrated(source, view, spec: AttentionSpec, config: dict, opts, biased: l
         lossy=lossy,
         output_bias="o" in biased,
         progress=opts.progress,
+        fisher_tokens=opts.fisher_tokens,
     )
     if not compressed:
         return ExportChoices(stats=stats)

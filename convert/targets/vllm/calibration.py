@@ -46,19 +46,21 @@ def export_statistics(
     lossy: bool = True,
     output_bias: bool = False,
     progress: bool = False,
+    fisher_tokens: int | None = None,
 ) -> list:
     """Per-layer statistics of `source` (a checkpoint) on the calibration token `ids` (1, N), what the
     export is calibrated with (`ExportChoices.stats`): the layers' input moments, with the fitted stand-in
     for the dropped rotations where the export is `lossy` (`needs_calibration`), the attention outputs'
     moments where `output_bias` (an o_proj bias is carried), and with `fisher` the Fisher rows that
-    weigh a compressed latent in loss units. view: the source's attention view (`resolve_vllm_spec`)."""
+    weigh a compressed latent in loss units, from the first `fisher_tokens` of `ids` (None: all). view: the
+    source's attention view (`resolve_vllm_spec`)."""
     rotation_fit = rotation_fit_observer(view, spec, config) if lossy else None
     observe = observers(rotation_fit, output_observer() if output_bias else None)
     bar = progress_bar("calibrating", "layer", progress)
     stats = compress.calibrate(source, config, ids, spec.n_layers, progress=bar, observe=observe)
     if fisher:
         bar = progress_bar("fisher statistics", "layer", progress)
-        rows = compress.fisher_calibrate_streamed(source, config, ids, spec.n_layers, progress=bar)
+        rows = compress.fisher_calibrate_streamed(source, config, ids[:, :fisher_tokens], spec.n_layers, progress=bar)
         for layer_stats, layer_fisher in zip(stats, rows):
             layer_stats.key_fisher, layer_stats.value_fisher = layer_fisher.key_fisher, layer_fisher.value_fisher
     return stats
