@@ -164,8 +164,8 @@ def run_one(
     options |= {} if refine is None or method == "svd" else {"refine_steps": refine}
     options |= {} if nope_angle is None else {"nope_angle": nope_angle}
     if ratio < 1:
-        options |= dict(method=method, calib=calib_ids if method != "svd" else None, calib_tokens=calib_ids.shape[-1])
-        options |= dict(fisher_tokens=fisher_tokens)
+        calib = calib_ids if method != "svd" else None
+        options |= dict(method=method, calib=calib, calib_tokens=calib_ids.shape[-1], fisher_tokens=fisher_tokens)
     state = convert.convert_state_dict(model.state_dict(), model.config, **options)
     convert_s = time.perf_counter() - t0
     mla_model = build_mla_model(state.config, dict(state), torch.float32)

@@ -2,12 +2,12 @@
 the device (`convert.options.HEAL_SIZES`), through transformers' `Trainer` (`DistillationTrainer`,
 the same run as `convert heal`: tests/heal/test_trainer.py).
 
-SmolLM2 converted at --ratio of the cache (factored, Fisher on the first --calib-tokens of the
-first healing book, sequential calibration), healed on the concatenation of two novels, judged
-every --every steps on a third (windows of 1,024). Writes bench/results/heal_curve_<device>.json
-and a PNG beside it.
+SmolLM2 converted at --ratio of the cache (factored, Fisher, sequential calibration and refinement
+on the first --calib-tokens of the first healing book, the package's defaults), healed on the
+concatenation of two novels, judged every --every steps on a third (windows of 1,024). Writes
+bench/results/heal_curve_<device>.json and a PNG beside it.
 
-    python bench/heal_curve.py                       # CPU: 200 steps of 256 tokens (~10 min on 2 cores)
+    python bench/heal_curve.py                       # CPU: 200 steps of 256 tokens (~20 min on 2 cores)
     python bench/heal_curve.py --device cuda         # a GPU's sizes: 2,000 steps of 8 x 1,024 tokens
     python bench/heal_curve.py --heal-books emma,persuasion --eval-book prideprejudice
 """
@@ -36,7 +36,12 @@ def parse_args(argv=None):
     p.add_argument("--heal-books", default="prideprejudice,sensesensibility", help="two (or more) novels to heal on")
     p.add_argument("--eval-book", default="emma", help="the novel it is judged on (never trained on)")
     p.add_argument("--ratio", type=float, default=0.25, help="share of the KV cache kept")
-    p.add_argument("--calib-tokens", type=int, default=4096)
+    p.add_argument(
+        "--calib-tokens",
+        type=int,
+        default=convert.ConvertOptions.calib_tokens,
+        help="the Fisher statistics read the first --fisher-tokens of them (the package's default)",
+    )
     p.add_argument("--eval-tokens", type=int, default=4096)
     p.add_argument("--every", type=int, default=25, help="judge every N steps")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -157,6 +162,7 @@ def main(argv=None):
     result |= {
         "model": "smollm2",
         "ratio": args.ratio,
+        "calib_tokens": int(calib_ids.shape[-1]),
         "heal_books": args.heal_books,
         "eval_book": args.eval_book,
         "eval_tokens": int(eval_ids.shape[-1]),

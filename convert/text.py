@@ -48,3 +48,10 @@ def calibration_ids(source, opts) -> torch.Tensor:
         vocab = (source.config or {})["vocab_size"]
         ids = text_token_ids(Path(opts.calib), root, vocab, opts.calib_tokens, what="--calib")
     return ids[:, : opts.calib_tokens]
+
+
+def fisher_ids(ids: torch.Tensor, fisher_tokens: int | None) -> torch.Tensor:
+    """What the Fisher pass reads of the calibration ids (1, N): their first `fisher_tokens` (None: all).
+    The sequential streams and the refinement read all of them (docs/compression.md, "The default
+    calibration")."""
+    return ids[:, :fisher_tokens]

@@ -45,10 +45,13 @@ NO_REFINEMENT = Refinement()
 
 @dataclass
 class Refined:
-    """One layer's relative attention-output error before and after refinement (on every window)."""
+    """One layer's relative attention-output error before and after refinement (on every window), and
+    the module's output as kept (B, L, D), where the caller asked for it: the forward that measured
+    `after` is the one a sequential calibration advances its stream with."""
 
     before: float
     after: float
+    output: torch.Tensor | None = None
 
 
 def _moved(value, device: torch.device):
@@ -71,8 +74,13 @@ def _rows(value, index: torch.Tensor, batch: int):
 
 def _error(module, kwargs: dict, target: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
     """‖module(**kwargs) − target‖² relative to ‖target − base‖² (what the module should add to `base`; None: 0)."""
+    return _relative(layer_output(module(**kwargs)), target, base)
+
+
+def _relative(output: torch.Tensor, target: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
+    """‖output − target‖² relative to ‖target − base‖² (`_error` of an output already computed)."""
     scale = target if base is None else target - base
-    return (layer_output(module(**kwargs)) - target).pow(2).sum() / scale.pow(2).sum()
+    return (output - target).pow(2).sum() / scale.pow(2).sum()
 
 
 def refine_attention(
@@ -82,6 +90,7 @@ def refine_attention(
     how: Refinement,
     within: torch.nn.Module | None = None,
     base: torch.Tensor | None = None,
+    keep_output: bool = False,
 ) -> Refined:
     """Fit `attention`'s parameters (but those named by its `untrained_parameters` suffixes) in place so
     that `attention(**kwargs)[0]` matches `target` (B, L, D) or, given `within` (the decoder layer that
@@ -89,7 +98,8 @@ def refine_attention(
     error then relative to what the layer adds to `base` (its input, B, L, D): `how.steps` Adam steps over
     `how.batch` random windows each, each tensor's learning rate `how.lr` × its RMS, warmed up over the
     first tenth and decayed to zero on a cosine, on `how.device` (the modules come back where they were).
-    Where the error on every window is not lower after, the tensors are restored."""
+    Where the error on every window is not lower after, the tensors are restored. keep_output: the
+    result carries the module's output on every window as kept (`Refined.output`, on the module's device)."""
     module = attention if within is None else within
     home = next(module.parameters()).device
     device = torch.device(how.device)
@@ -99,10 +109,12 @@ def refine_attention(
     base = None if base is None else base.to(device)
     batch = target.shape[0]
     with torch.no_grad():
-        before = float(_error(module, kwargs, target, base))
+        output = layer_output(module(**kwargs))  # (B, L, D)
+        before = float(_relative(output, target, base))
     if how.steps <= 0:
         module.to(home)
-        return Refined(before, before)
+        return Refined(before, before, output.to(home) if keep_output else None)
+    del output
     start = {name: t.detach().clone() for name, t in attention.state_dict().items()}
     skips = tuple(getattr(attention, "untrained_parameters", ()))  # name suffixes left as they are
     params = [p for name, p in attention.named_parameters() if p.is_floating_point() and not name.endswith(skips)]
@@ -126,9 +138,11 @@ def refine_attention(
     for p in params:
         p.requires_grad_(False)
     with torch.no_grad():
-        after = float(_error(module, kwargs, target, base))
-    if not after < before:  # kept only where it measures better
-        attention.load_state_dict(start)
-        after = before
+        output = layer_output(module(**kwargs))  # (B, L, D)
+        after = float(_relative(output, target, base))
+        if not after < before:  # kept only where it measures better
+            attention.load_state_dict(start)
+            after = before
+            output = layer_output(module(**kwargs)) if keep_output else None
     module.to(home)
-    return Refined(before, after)
+    return Refined(before, after, output.to(home) if keep_output else None)

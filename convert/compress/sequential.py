@@ -4,6 +4,7 @@ The calibration windows run through the original model and the model compressed 
 layer at a time; memory stays one decoder layer plus the two streams' hidden states (docs/design.md, "Compression").
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -100,10 +101,13 @@ class SequentialCalibration:
         with torch.no_grad():
             self.original = layer_output(self.decoder(**inputs(self.original)))
         self.decoder.self_attn = attention
-        if refine:
-            self.refined.append(self._refine(attention, inputs(self.compressed), residual))
-        with torch.no_grad():
-            self.compressed = layer_output(self.decoder(**inputs(self.compressed)))
+        if refine:  # the refinement's last forward, which measured it, is the compressed stream's advance
+            refined = self._refine(attention, inputs(self.compressed), residual)
+            self.compressed = refined.output
+            self.refined.append(dataclasses.replace(refined, output=None))
+        else:
+            with torch.no_grad():
+                self.compressed = layer_output(self.decoder(**inputs(self.compressed)))
         self.decoder = None
 
     def _refine(self, attention, inputs: dict, residual: torch.Tensor) -> Refined:
@@ -117,4 +121,6 @@ class SequentialCalibration:
             goal, base = self.compressed + (self.original - residual), self.compressed  # (B, L, D) each
         else:
             goal, base = self.original, residual
-        return refine_attention(attention, inputs, goal, self.refinement, within=self.decoder, base=base)
+        return refine_attention(
+            attention, inputs, goal, self.refinement, within=self.decoder, base=base, keep_output=True
+        )

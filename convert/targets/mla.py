@@ -21,7 +21,7 @@ from convert.plan import ConversionPlan, check_rank, layer_weighting, make_plan,
 from convert.progress import progress_bar
 from convert.source import StateDictSource, read_layer
 from convert.targets import Build
-from convert.text import calibration_ids
+from convert.text import calibration_ids, fisher_ids
 from convert.threads import in_order
 from convert.transform import LayerInfo, convert_layer
 
@@ -127,7 +127,7 @@ def _calibration(source, spec: AttentionSpec, opts: ConvertOptions):
     if opts.resolved_method == "fisher":  # one decoder layer at a time, forward then backward, on the first tokens
         bar = progress_bar("calibrating (Fisher)", "layer", opts.progress)
         return compress.fisher_calibrate_streamed(
-            source, config, ids[:, : opts.fisher_tokens], spec.n_layers, progress=bar
+            source, config, fisher_ids(ids, opts.fisher_tokens), spec.n_layers, progress=bar
         )
     bar = progress_bar("calibrating", "layer", opts.progress)
     return compress.calibrate(source, config, ids, spec.n_layers, progress=bar)

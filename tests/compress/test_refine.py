@@ -85,6 +85,22 @@ def test_a_refinement_that_makes_things_worse_is_undone():
     assert torch.equal(module.proj.weight, start)
 
 
+@pytest.mark.parametrize("lr", [3e-2, 1.0])  # kept (the error falls), undone (steps of 1.0 throw it away)
+def test_the_output_kept_is_the_layers_output_as_kept(lr):
+    """`keep_output`: the forward that measured `after` is what the sequential calibration advances
+    its compressed stream with, so it must be the layer's output with the tensors as they come back."""
+    kwargs, _ = _fit_problem()
+    with torch.no_grad():
+        target = _Layer(_Linear(seed=1))(**kwargs)
+    layer = _Layer(_Linear(seed=1) if lr == 1.0 else _Linear(seed=2))
+    how = Refinement(steps=20, lr=lr)
+    got = refine_attention(layer.self_attn, kwargs, target, how, within=layer, keep_output=True)
+    assert (got.after < got.before) == (lr < 1.0)
+    with torch.no_grad():
+        assert torch.equal(got.output, layer(**kwargs))
+    assert refine_attention(layer.self_attn, kwargs, target, how, within=layer).output is None
+
+
 def test_no_steps_leaves_the_layer_as_it_is():
     """steps 0 (`--refine-steps 0`): the error measured, nothing trained (the schedule of zero steps
     divided by zero)."""
@@ -164,15 +180,17 @@ def test_the_goal_is_the_original_stream_where_the_attention_output_enters_it_as
     compressed = calibration.compressed = original + 0.1 * torch.randn(original.shape, generator=gen)  # drifted
     seen = {}
 
-    def record(attention, kwargs, target, how, within=None, base=None):
-        seen.update(kwargs=kwargs, target=target, within=within, base=base)
-        return Refined(0.0, 0.0)
+    def record(attention, kwargs, target, how, within=None, base=None, keep_output=False):
+        seen.update(kwargs=kwargs, target=target, within=within, base=base, output=torch.randn(target.shape))
+        return Refined(0.0, 0.0, seen["output"] if keep_output else None)
 
     monkeypatch.setattr(sequential, "refine_attention", record)
     calibration._load(0)
     calibration.advance_with(0, calibration.decoder.self_attn, refine=True)  # the original attention stands in
     assert torch.equal(seen["kwargs"]["hidden_states"], compressed)  # fitted on the compressed stream
     assert isinstance(seen["within"], calibration.stream.decoder_cls)  # through the whole decoder layer
+    assert calibration.compressed is seen["output"]  # the stream advances with the output the refinement kept
+    assert calibration.refined[-1].output is None  # and the record of each layer does not hold it
     added = calibration.original - original  # what the original layer adds to its own stream
     assert not torch.allclose(calibration.original, compressed + added)  # the two goals differ here
     if family == "llama":

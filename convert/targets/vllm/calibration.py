@@ -27,6 +27,7 @@ from convert.targets.vllm.nope_fit import (
 from convert.targets.vllm.rope import rope_frequencies
 from convert.targets.vllm.rotary import rotary_directions
 from convert.targets.vllm.runtime import ExportAttention
+from convert.text import fisher_ids
 
 STAND_INS = ("fit", "nope", "drop", "expected")
 #: How the vllm target's compressed latent is calibrated unless --calibration says: in the closed form,
@@ -60,7 +61,9 @@ def export_statistics(
     stats = compress.calibrate(source, config, ids, spec.n_layers, progress=bar, observe=observe)
     if fisher:
         bar = progress_bar("fisher statistics", "layer", progress)
-        rows = compress.fisher_calibrate_streamed(source, config, ids[:, :fisher_tokens], spec.n_layers, progress=bar)
+        rows = compress.fisher_calibrate_streamed(
+            source, config, fisher_ids(ids, fisher_tokens), spec.n_layers, progress=bar
+        )
         for layer_stats, layer_fisher in zip(stats, rows):
             layer_stats.key_fisher, layer_stats.value_fisher = layer_fisher.key_fisher, layer_fisher.value_fisher
     return stats
