@@ -183,6 +183,7 @@ def run_one(
         "static_freqs": comp.get("static_freqs", []),
         "calibration": comp.get("calibration") or "original",
         "refine_steps": comp.get("refine_steps", 0),
+        "refine_queries": comp.get("refine_queries"),
         "ppl": ppl,
         "convert_s": convert_s,
     }

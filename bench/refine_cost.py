@@ -3,11 +3,11 @@
 One compressed layer's `MLAAttention` (random weights: the cost does not depend on them), in a Llama
 decoder layer of the shape's MLP, fitted by `convert.compress.refine.refine_attention` so that the
 layer's output matches a target on `--windows` calibration windows of `--window` tokens, as the
-sequential calibration hands it over: seconds per Adam step (the median
-of `--repeat` runs of 1 + `--steps` steps less that of runs of one, side by side) and the peak bytes
-a one-step fit allocates (the error evaluated on every window before and after, then the step),
-for each layout. The per-layer cost at the device's default
-steps (`REFINE_STEPS`: 50 on a CPU, 500 with CUDA) and for the whole model follow.
+sequential calibration hands it over: seconds per Adam step of `--queries` positions (default the
+device's, `REFINE_QUERIES`: 256 on a CPU, all with CUDA; the median of `--repeat` runs of 1 +
+`--steps` steps less that of runs of one, side by side) and the peak bytes a one-step fit allocates
+(the error evaluated on the checked windows before and after, then the step), for each layout. The
+per-layer cost at the device's default steps (`REFINE_STEPS`) and for the whole model follow.
 
     python bench/refine_cost.py --shape llama8b --ratio 0.25 [--device cuda]
 """
@@ -24,7 +24,7 @@ import _common  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
 
-from convert.compress.refine import REFINE_STEPS, Refinement, refine_attention  # noqa: E402
+from convert.compress.refine import REFINE_QUERIES, REFINE_STEPS, Refinement, refine_attention  # noqa: E402
 from convert.mla.attention import MLAAttention  # noqa: E402
 from convert.mla.config import MLASection  # noqa: E402
 
@@ -115,7 +115,7 @@ def _run(args, layout: str, device: torch.device, steps: int, kwargs, target) ->
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    _refine(built, kwargs, target, Refinement(steps=steps, device=str(device)))
+    _refine(built, kwargs, target, Refinement(steps=steps, queries=args.queries, device=str(device)))
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -133,7 +133,7 @@ def measure(args, layout: str, device: torch.device) -> dict:
         timed.append(_run(args, layout, device, 1 + args.steps, kwargs, target))
     step = (_common.median(timed) - _common.median(fixed)) / args.steps
     built = decoder(args.shape, layout, args.ratio)
-    how = Refinement(steps=1, device=str(device))
+    how = Refinement(steps=1, queries=args.queries, device=str(device))
     _, peak = _common.peak_allocated(_refine, built, kwargs, target, how, device=device.type)
     layers = SHAPES[args.shape][-1]
     default = REFINE_STEPS[device.type]
@@ -158,14 +158,16 @@ def main(argv=None) -> int:
     p.add_argument("--windows", type=int, default=4, help="calibration windows held (the default 4,096 tokens)")
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--steps", type=int, default=5, help="Adam steps timed per run")
+    p.add_argument("--queries", type=int, default=None, help="query positions a step (default: the device's)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (CUDA when there is one)")
     _common.add_common_args(p, "refine_cost", repeat=3)
     args = p.parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    args.queries = REFINE_QUERIES[device.type] if args.queries is None else args.queries
     quiet = _common.wait_quiet(args.max_load, args.wait, args.max_busy)
     result = _common.header("refine_cost", device.type, quiet)
     result |= {"shape": args.shape, "dims": SHAPES[args.shape], "ratio": args.ratio, "windows": args.windows}
-    result |= {"window": args.window, "steps_timed": args.steps, "rows": []}
+    result |= {"window": args.window, "queries": args.queries, "steps_timed": args.steps, "rows": []}
     for layout in args.layouts.split(","):
         row = measure(args, layout, device)
         result["rows"].append(row)

@@ -6,15 +6,21 @@ or the compressed stream plus what the original layer adds to its own (where the
 (docs/compression.md, "Attention-output refinement").
 """
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 
+from convert.mla.kernels import causal_mask
 from convert.optim import relative_groups, warmup_cosine
 from convert.stream import layer_output
 
-#: Default steps per layer by the device that refines: a few seconds per SmolLM2 layer on 2 CPU cores.
-REFINE_STEPS = {"cpu": 50, "cuda": 500}
+#: Default steps per layer by the device that refines, each of `REFINE_QUERIES` positions (None: all) of a
+#: window: about 5 s per SmolLM2 layer on 2 CPU cores (docs/compression.md, "Steps on some positions").
+REFINE_STEPS = {"cpu": 100, "cuda": 500}
+REFINE_QUERIES = {"cpu": 128, "cuda": None}
+#: Default steps for a module that fits every position of its window (the vllm export's attention).
+WHOLE_WINDOW_STEPS = {"cpu": 50, "cuda": 500}
 
 
 def refine_device() -> torch.device:
@@ -29,14 +35,23 @@ class Refinement:
     steps: int = 0
     lr: float = 3e-3  # relative: each tensor's rate is this × its RMS (`convert.optim.relative_rates`)
     batch: int = 1  # calibration windows per step
+    # query positions per step (None: every position), each attending to its whole window's keys
+    # (modules that take `key_states`, `convert.mla.attention.MLAAttention`; others fit every position)
+    queries: int | None = None
+    # calibration windows (the first) on which the error before and after decides whether the fit is kept
+    checked: int = 4
     seed: int = 0
     device: str = "cpu"
 
     @classmethod
-    def sized(cls, steps: int | None) -> "Refinement":
-        """`steps` (None: `REFINE_STEPS` for the device that refines) on `refine_device()`."""
-        device = refine_device()
-        return cls(steps=REFINE_STEPS[device.type] if steps is None else steps, device=str(device))
+    def sized(cls, steps: int | None, queries: int | None = None, whole_windows: bool = False) -> "Refinement":
+        """`steps` of `queries` positions (None: `REFINE_STEPS`, `REFINE_QUERIES` for the device that
+        refines; whole_windows: `WHOLE_WINDOW_STEPS` of every position) on `refine_device()`."""
+        device = refine_device().type
+        if whole_windows:
+            return cls(steps=WHOLE_WINDOW_STEPS[device] if steps is None else steps, device=device)
+        steps = REFINE_STEPS[device] if steps is None else steps
+        return cls(steps=steps, queries=REFINE_QUERIES[device] if queries is None else queries, device=device)
 
 
 #: No refinement (steps 0).
@@ -45,7 +60,7 @@ NO_REFINEMENT = Refinement()
 
 @dataclass
 class Refined:
-    """One layer's relative attention-output error before and after refinement (on every window), and
+    """One layer's relative attention-output error before and after refinement (on the checked windows), and
     the module's output as kept (B, L, D), where the caller asked for it: the forward that measured
     `after` is the one a sequential calibration advances its stream with."""
 
@@ -72,6 +87,47 @@ def _rows(value, index: torch.Tensor, batch: int):
     return value
 
 
+class _Reached(Exception):
+    """Raised by `_attention_inputs`' hook: the layer has reached its attention, and stops there."""
+
+
+def _attention_inputs(module: torch.nn.Module, attention: torch.nn.Module, kwargs: dict) -> torch.Tensor:
+    """The hidden states (B, L, D) that `attention` is called with when `module` runs on `kwargs`: the
+    layer runs up to its attention (its input norm) and stops there."""
+    seen: list[torch.Tensor] = []
+
+    def reached(_module, args, called):
+        seen.append(called["hidden_states"] if "hidden_states" in called else args[0])
+        raise _Reached
+
+    handle = attention.register_forward_pre_hook(reached, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            module(**kwargs)
+    except _Reached:
+        pass
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def _at_queries(rows: dict, positions: torch.Tensor, keys: torch.Tensor, window: int | None) -> dict:
+    """The layer's keyword arguments `rows` for query positions `positions` (Q,) alone, the attention's
+    keys and values still from every position of its input `keys` (B, L, D): the hidden states, cos/sin,
+    position ids and mask rows of those positions, the keys' own beside them."""
+    hidden, rotary, mask = rows["hidden_states"], rows.get("position_embeddings"), rows.get("attention_mask")
+    length = hidden.shape[1]
+    if mask is None:  # the module's own causal mask (and window) over the whole window, before taking rows
+        mask = causal_mask(length, length, hidden, window)  # (L, L)
+    subset = dict(rows, hidden_states=hidden[:, positions], attention_mask=mask[..., positions, :])
+    subset |= {"key_states": keys, "key_position_embeddings": rotary}
+    if rotary is not None:
+        subset["position_embeddings"] = tuple(t[..., positions, :] for t in rotary)  # (B|1, Q, d)
+    if rows.get("position_ids") is not None:
+        subset["position_ids"] = rows["position_ids"][..., positions]
+    return subset
+
+
 def _error(module, kwargs: dict, target: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
     """‖module(**kwargs) − target‖² relative to ‖target − base‖² (what the module should add to `base`; None: 0)."""
     return _relative(layer_output(module(**kwargs)), target, base)
@@ -96,53 +152,99 @@ def refine_attention(
     that `attention(**kwargs)[0]` matches `target` (B, L, D) or, given `within` (the decoder layer that
     calls `attention`, its other tensors left as they are), so that `within(**kwargs)`'s output does, the
     error then relative to what the layer adds to `base` (its input, B, L, D): `how.steps` Adam steps over
-    `how.batch` random windows each, each tensor's learning rate `how.lr` × its RMS, warmed up over the
-    first tenth and decayed to zero on a cosine, on `how.device` (the modules come back where they were).
-    Where the error on every window is not lower after, the tensors are restored. keep_output: the
-    result carries the module's output on every window as kept (`Refined.output`, on the module's device)."""
+    `how.batch` random windows each (`how.queries` of their positions), each tensor's learning rate
+    `how.lr` × its RMS, warmed up over the first tenth and decayed to zero on a cosine, on `how.device`
+    (the modules come back where they were). Where the error on the first `how.checked` windows is not
+    lower after, the tensors are restored. keep_output: the result carries the module's output on every
+    window as kept (`Refined.output`, on the module's device)."""
     module = attention if within is None else within
     home = next(module.parameters()).device
     device = torch.device(how.device)
     module.to(device)
-    kwargs = {name: _moved(value, device) for name, value in kwargs.items()}
-    target = target.to(device)
-    base = None if base is None else base.to(device)
-    batch = target.shape[0]
+    fit = _Fit(
+        module,
+        attention,
+        {name: _moved(value, device) for name, value in kwargs.items()},
+        target.to(device),
+        None if base is None else base.to(device),
+    )
+    checked = torch.arange(min(fit.batch, how.checked), device=device)  # the windows that decide
     with torch.no_grad():
-        output = layer_output(module(**kwargs))  # (B, L, D)
-        before = float(_relative(output, target, base))
-    if how.steps <= 0:
-        module.to(home)
-        return Refined(before, before, output.to(home) if keep_output else None)
-    del output
-    start = {name: t.detach().clone() for name, t in attention.state_dict().items()}
-    skips = tuple(getattr(attention, "untrained_parameters", ()))  # name suffixes left as they are
-    params = [p for name, p in attention.named_parameters() if p.is_floating_point() and not name.endswith(skips)]
-    for p in module.parameters():  # no gradient for what is not trained (the layer's norms and MLP)
-        p.requires_grad_(False)
-    for p in params:
-        p.requires_grad_(True)
-    optimizer = torch.optim.Adam(relative_groups(params, how.lr))
-    warmup = max(1, how.steps // 10)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, how.steps, warmup))
-    generator = torch.Generator().manual_seed(how.seed)
-    for _ in range(how.steps):
-        index = torch.randperm(batch, generator=generator)[: how.batch].to(device)
-        rows = {name: _rows(value, index, batch) for name, value in kwargs.items()}
-        window_base = None if base is None else base.index_select(0, index)
-        loss = _error(module, rows, target.index_select(0, index), window_base)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-    for p in params:
-        p.requires_grad_(False)
-    with torch.no_grad():
-        output = layer_output(module(**kwargs))  # (B, L, D)
-        after = float(_relative(output, target, base))
-        if not after < before:  # kept only where it measures better
-            attention.load_state_dict(start)
-            after = before
-            output = layer_output(module(**kwargs)) if keep_output else None
+        output = fit.output(None if keep_output and how.steps <= 0 else checked)  # (B or checked, L, D)
+        before = fit.error(output[: len(checked)], checked)
+    if how.steps > 0:
+        start = {name: t.detach().clone() for name, t in attention.state_dict().items()}
+        fit.steps(how)
+        with torch.no_grad():
+            output = fit.output(None if keep_output else checked)  # (B or checked, L, D)
+            after = fit.error(output[: len(checked)], checked)
+            if not after < before:  # kept only where it measures better
+                attention.load_state_dict(start)
+                after = before
+                output = fit.output(None) if keep_output else None
+    else:
+        after = before
     module.to(home)
     return Refined(before, after, output.to(home) if keep_output else None)
+
+
+class _Fit:
+    """One layer's refinement problem: `module` (the decoder layer, or the attention itself) run on
+    `kwargs` (B windows) should output `target`, relative to what it adds to `base`."""
+
+    def __init__(self, module, attention, kwargs: dict, target: torch.Tensor, base: torch.Tensor | None):
+        self.module, self.attention, self.kwargs, self.target, self.base = module, attention, kwargs, target, base
+        self.batch, self.length = target.shape[:2]
+
+    def rows(self, index: torch.Tensor | None) -> dict:
+        """The keyword arguments of windows `index` (None: all)."""
+        return self.kwargs if index is None else {n: _rows(v, index, self.batch) for n, v in self.kwargs.items()}
+
+    def output(self, index: torch.Tensor | None) -> torch.Tensor:
+        """The module's output on windows `index` (None: all), (B', L, D)."""
+        return layer_output(self.module(**self.rows(index)))
+
+    def error(self, output: torch.Tensor, index: torch.Tensor) -> float:
+        """The relative error of `output` (the module's on windows `index`)."""
+        return float(_relative(output, self.target[index], None if self.base is None else self.base[index]))
+
+    def steps(self, how: Refinement) -> None:
+        """`how.steps` Adam steps on the attention's trained tensors, then none left trainable."""
+        skips = tuple(getattr(self.attention, "untrained_parameters", ()))  # name suffixes left as they are
+        named = self.attention.named_parameters()
+        params = [p for name, p in named if p.is_floating_point() and not name.endswith(skips)]
+        for p in self.module.parameters():  # no gradient for what is not trained (the layer's norms and MLP)
+            p.requires_grad_(False)
+        for p in params:
+            p.requires_grad_(True)
+        optimizer = torch.optim.Adam(relative_groups(params, how.lr))
+        warmup = max(1, how.steps // 10)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, how.steps, warmup))
+        generator = torch.Generator().manual_seed(how.seed)
+        queries = how.queries if how.queries is not None and how.queries < self.length else None
+        if "key_states" not in inspect.signature(self.attention.forward).parameters:
+            queries = None  # a module that takes its keys from its queries' hidden states only
+        keys = None if queries is None else _attention_inputs(self.module, self.attention, self.kwargs)  # (B, L, D)
+        for _ in range(how.steps):
+            index = torch.randperm(self.batch, generator=generator)[: how.batch].to(self.target.device)
+            positions = None
+            if queries is not None:  # (Q,) positions, in order
+                positions = torch.randperm(self.length, generator=generator)[:queries].sort().values
+            loss = self.step_error(index, positions.to(self.target.device) if positions is not None else None, keys)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+        for p in params:
+            p.requires_grad_(False)
+
+    def step_error(self, index: torch.Tensor, positions: torch.Tensor | None, keys) -> torch.Tensor:
+        """The error on windows `index`, at query `positions` (None: all) whose keys come from every
+        position of the attention's inputs `keys` (B, L, D)."""
+        rows, target = self.rows(index), self.target.index_select(0, index)
+        base = None if self.base is None else self.base.index_select(0, index)
+        if positions is not None:
+            window = getattr(self.attention, "sliding_window", None)
+            rows = _at_queries(rows, positions, keys.index_select(0, index), window)
+            target, base = target[:, positions], None if base is None else base[:, positions]
+        return _error(self.module, rows, target, base)

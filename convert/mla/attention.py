@@ -182,16 +182,33 @@ class MLAAttention(nn.Module):
         return [slice(h, min(h + size, self.n_heads)) for h in range(0, self.n_heads, size)]
 
     def forward(
-        self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, cache=None, **kwargs
+        self,
+        hidden_states,
+        position_embeddings=None,
+        attention_mask=None,
+        past_key_values=None,
+        cache=None,
+        key_states=None,
+        key_position_embeddings=None,
+        **kwargs,
     ):
+        """The attention of `hidden_states` (B, L, D). key_states (B, S, D), with their cos/sin
+        `key_position_embeddings`: the hidden states the keys and values come from, where they are
+        not the queries' (some positions' queries against a whole window, `convert.compress.refine`;
+        no cache, and `attention_mask` (…, L, S) says which keys each query sees)."""
         # the KV cache: `cache` from transformers 5.24 on, `past_key_values` before
         cache = cache if cache is not None else past_key_values
+        if key_states is not None and cache is not None:
+            raise ValueError("MLAAttention: key_states and a KV cache exclude each other (the cache holds the keys)")
+        kv_inputs = (
+            (hidden_states, position_embeddings) if key_states is None else (key_states, key_position_embeddings)
+        )
         # output_attentions: the (B, H, L, S) weights, as the family's eager attention returns them
         weights = bool(kwargs.get("output_attentions"))
         if self.layout == "absorbed":
-            return self._absorbed(hidden_states, position_embeddings, attention_mask, cache, weights)
+            return self._absorbed(hidden_states, position_embeddings, attention_mask, cache, weights, kv_inputs)
         positions = kwargs.get("position_ids")
-        return self._factored(hidden_states, position_embeddings, attention_mask, cache, positions, weights)
+        return self._factored(hidden_states, position_embeddings, attention_mask, cache, positions, weights, kv_inputs)
 
     def _attend(self, q, k, v, attention_mask, weights: bool = False):
         """q (B, H, L, e), k (B, 1|H, S, e), v (B, 1|H, S, f) -> (B, L, H·f), and the attention
@@ -209,11 +226,11 @@ class MLAAttention(nn.Module):
             probs = None
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1), (probs if weights else None)  # (B, L, H·f)
 
-    def _absorbed(self, x, position_embeddings, attention_mask, cache, weights: bool = False):
-        c_k, c_v = self.latents(x)  # (B, L, r_K), (B, L, r_V)
+    def _absorbed(self, x, position_embeddings, attention_mask, cache, weights: bool, kv_inputs: tuple):
+        c_k, c_v = self.latents(kv_inputs[0])  # (B, S, r_K), (B, S, r_V)
         if self.rope:
             cos, sin = latent_cos_sin(*position_embeddings, self.freq_index(x.device))  # (B, L, r_K)
-            c_k = apply_rope(c_k, cos, sin)
+            c_k = apply_rope(c_k, *latent_cos_sin(*kv_inputs[1], self.freq_index(x.device)))  # the keys' (B, S, r_K)
         k, v = c_k[:, None], c_v[:, None]  # (B, 1, L, r)
         if cache is not None:
             k, v = self._update_cache(cache, k, v)
@@ -253,9 +270,9 @@ class MLAAttention(nn.Module):
         k, _ = cache.update(k, k[..., :0], self.layer_idx)  # joint: one latent serves both
         return k, k
 
-    def _factored(self, x, position_embeddings, attention_mask, cache, positions, weights: bool = False):
+    def _factored(self, x, position_embeddings, attention_mask, cache, positions, weights: bool, kv_inputs: tuple):
         q = self._query_heads(x)  # (B, H, L, d)
-        c_k, c_v = self.latents(x)
+        c_k, c_v = self.latents(kv_inputs[0])  # (B, S, r_K), (B, S, r_V)
         c_k, c_v = c_k[:, None], c_v[:, None]  # (B, 1, L, r)
         if cache is not None:
             c_k, c_v = self._update_cache(cache, c_k, c_v)
@@ -264,7 +281,7 @@ class MLAAttention(nn.Module):
         if self.rope:
             cos, sin = position_embeddings  # (B, L, d)
             q = apply_rope(q, cos[:, None], sin[:, None])
-            k_cos, k_sin = self._key_cos_sin(cache, position_embeddings, positions, x)  # (B, ≥S, d): every slot
+            k_cos, k_sin = self._key_cos_sin(cache, kv_inputs[1], positions, x)  # (B, ≥S, d): every slot
             k_cos, k_sin = k_cos[:, None, :seq], k_sin[:, None, :seq]
         keys = self.n_kv_heads * self.head_dim  # the original's keys (and values) per token
         modules = (self.k_up, self.v_up, self.o_proj)

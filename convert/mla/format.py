@@ -85,6 +85,7 @@ def _compression_section(plan, opts) -> dict | None:
     calib = (
         opts.calib if opts.calib is None or isinstance(opts.calib, (str, Path)) else f"{opts.calib.shape[-1]} token ids"
     )
+    refined = opts.refine_steps if calib is not None and opts.resolved_method != "svd" else 0
     return {
         "method": opts.resolved_method,
         "allocation": opts.resolved_allocation if opts.rank is None else "uniform",
@@ -99,7 +100,9 @@ def _compression_section(plan, opts) -> dict | None:
         "fisher_tokens": opts.fisher_tokens if calib is not None and opts.resolved_method == "fisher" else None,
         "calibration": opts.resolved_calibration if calib is not None else None,
         # Adam steps per layer fitting its attention output (convert.compress.refine; 0: none)
-        "refine_steps": opts.refine_steps if calib is not None and opts.resolved_method != "svd" else 0,
+        "refine_steps": refined,
+        # query positions each step fitted (None: every position of its window, or no steps)
+        "refine_queries": opts.refine_queries if refined else None,
     } | (
         {"static_freqs": list(plan.spec.static_freqs), "nope_angle": opts.nope_angle} if plan.spec.static_freqs else {}
     )

@@ -195,9 +195,18 @@ class ConvertOptions(VerifyOptions):
     refine_steps: int | None = option(
         None,
         "After factoring, fit each compressed layer to the original layer's attention output on --calib "
-        "(Adam steps per layer, one calibration window each; 0: off). Default: sized to the device that "
-        "refines (CUDA when there is one: 500; CPU: 50, ~8 s per SmolLM2-135M layer on 2 cores). With --target "
-        "vllm: the latent compressed into vLLM's 512 dims (7B+ sources) is refined the same way.",
+        "(Adam steps per layer, one calibration window each, --refine-queries of its positions; 0: off). "
+        "Default: sized to the device that refines (CUDA when there is one: 500; CPU: 100, ~5 s per "
+        "SmolLM2-135M layer on 2 cores). With --target vllm: the latent compressed into vLLM's 512 dims (7B+ "
+        "sources) is refined the same way, on every position of a window (CPU: 50 steps; CUDA: 500).",
+        group="compression",
+        kind=int,
+    )
+    refine_queries: int | None = option(
+        None,
+        "Query positions each refinement step fits, drawn at random from its window, each attending to every "
+        "key before it (the MLA layouts; a step costs less with fewer). Default: sized to the device (CPU: 128 "
+        "of the window's 1,024; CUDA: all).",
         group="compression",
         kind=int,
     )
@@ -322,6 +331,8 @@ class ConvertOptions(VerifyOptions):
             raise ConvertError(f"--fisher-tokens {self.fisher_tokens} must be at least 2")
         if self.refine_steps is not None and self.refine_steps < 0:
             raise ConvertError(f"--refine-steps {self.refine_steps} must be 0 (no refinement) or more")
+        if self.refine_queries is not None and self.refine_queries < 1:
+            raise ConvertError(f"--refine-queries {self.refine_queries} must be at least 1 (query positions a step)")
         if self.refine_steps and self.lossy and self.resolved_method == "svd":
             raise ConvertError(
                 "--refine-steps fits each layer to its attention output on calibration text: pass --calib FILE "

@@ -108,8 +108,9 @@ def _plan(source, config: dict | None, opts: ConvertOptions, verifying: bool):
     if verifying:
         opts.check_verifiable()
     stats = _calibration(source, spec, opts)
-    if stats is not None:  # the refinement's steps as sized for this device, recorded in the config
-        opts = dataclasses.replace(opts, refine_steps=Refinement.sized(opts.refine_steps).steps)
+    if stats is not None:  # the refinement's steps and queries as sized for this device, recorded in the config
+        refinement = Refinement.sized(opts.refine_steps, opts.refine_queries)
+        opts = dataclasses.replace(opts, refine_steps=refinement.steps, refine_queries=refinement.queries)
     return make_plan(source, spec, opts, stats), stats, opts
 
 
@@ -170,7 +171,7 @@ def layer_tensors(source, plan: ConversionPlan, opts: ConvertOptions, stats, inf
 def _sequential(source, plan: ConversionPlan, opts: ConvertOptions, stats):
     """The two-stream calibration of `--calibration sequential` or of refinement (None when neither
     is asked or nothing is compressed)."""
-    refinement = Refinement.sized(opts.refine_steps)  # as _plan resolved it
+    refinement = Refinement.sized(opts.refine_steps, opts.refine_queries)  # as _plan resolved it
     if stats is None or not opts.lossy or (opts.resolved_calibration != "sequential" and not refinement.steps):
         return None
 

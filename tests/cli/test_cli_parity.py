@@ -70,6 +70,7 @@ NON_DEFAULTS = {
     "nope_angle": (["--nope-angle", "1.5"], 1.5),
     "calibration": (["--calibration", "sequential"], "sequential"),
     "refine_steps": (["--refine-steps", "7"], 7),
+    "refine_queries": (["--refine-queries", "128"], 128),
     "max_shard_size": (["--max-shard-size", "1GB"], "1GB"),
     "force": (["--force"], True),
     "verify": (["--no-verify"], False),

@@ -10,10 +10,21 @@ from click.testing import CliRunner
 import convert
 from convert.cli import main
 from convert.compress import sequential
-from convert.compress.refine import REFINE_STEPS, Refined, Refinement, refine_attention
+from convert.compress.refine import (
+    REFINE_QUERIES,
+    REFINE_STEPS,
+    Refined,
+    Refinement,
+    _at_queries,
+    _attention_inputs,
+    refine_attention,
+)
 from convert.compress.sequential import SequentialCalibration
+from convert.mla.attention import build_mla_attention, layer_tensors
+from convert.mla.config import MLASection
 from convert.mla.model import build_mla_model
 from convert.source import StateDictSource
+from convert.stream import LayerStream, layer_output
 
 from conftest import compression_cli_args, hf_model
 
@@ -101,6 +112,34 @@ def test_the_output_kept_is_the_layers_output_as_kept(lr):
     assert refine_attention(layer.self_attn, kwargs, target, how, within=layer).output is None
 
 
+def test_the_decision_reads_the_first_checked_windows():
+    """`Refinement.checked`: the error before and after, which decides whether the fit is kept, is that
+    of the first windows (the after forward runs on every window only where the output is kept)."""
+    kwargs, _ = _fit_problem()
+    with torch.no_grad():
+        target = _Layer(_Linear(seed=1))(**kwargs)
+    layer = _Layer(_Linear(seed=2))
+    with torch.no_grad():
+        first = layer(**{**kwargs, "hidden_states": kwargs["hidden_states"][:2]})
+    scale = (target[:2] - kwargs["hidden_states"][:2]).pow(2).sum()
+    how = Refinement(steps=20, lr=3e-2, checked=2)
+    got = refine_attention(layer.self_attn, kwargs, target, how, within=layer, base=kwargs["hidden_states"])
+    assert got.before == pytest.approx(float((first - target[:2]).pow(2).sum() / scale), rel=1e-6)
+    with torch.no_grad():
+        now = layer(**{**kwargs, "hidden_states": kwargs["hidden_states"][:2]})
+    assert got.after == pytest.approx(float((now - target[:2]).pow(2).sum() / scale), rel=1e-6)
+    assert got.after < got.before
+
+
+def test_the_attention_inputs_are_read_without_running_the_rest_of_the_layer():
+    kwargs, _ = _fit_problem()
+    layer = _Layer(_Linear(seed=2))
+    calls = []
+    layer.mlp.register_forward_hook(lambda *args: calls.append(1))
+    assert torch.equal(_attention_inputs(layer, layer.self_attn, kwargs), kwargs["hidden_states"])
+    assert not calls  # stopped at the attention: neither it nor the MLP ran
+
+
 def test_no_steps_leaves_the_layer_as_it_is():
     """steps 0 (`--refine-steps 0`): the error measured, nothing trained (the schedule of zero steps
     divided by zero)."""
@@ -124,15 +163,18 @@ def _logit_error(state, model, ids) -> float:
     # first (the goal leaves the streams' drift out)
     [("llama", "factored"), ("llama", "absorbed"), ("olmo2", "factored")],
 )
-def test_refined_conversion_is_closer_to_the_original_on_unseen_tokens(family, layout):
+@pytest.mark.parametrize("queries", [64, 512])  # some of each 512-token window's positions a step, or all
+def test_refined_conversion_is_closer_to_the_original_on_unseen_tokens(family, layout, queries):
     model = hf_model(family, num_hidden_layers=3)
     gen = torch.Generator().manual_seed(1)
     calib, unseen = torch.randint(0, 128, (1, 512), generator=gen), torch.randint(0, 128, (2, 64), generator=gen)
     options = dict(layout=layout, kv_cache_ratio=0.5, method="whitened", calib=calib, calib_tokens=512)
+    options["refine_queries"] = queries
     plain = convert.convert_state_dict(model.state_dict(), model.config, refine_steps=0, **options)
     refined = convert.convert_state_dict(model.state_dict(), model.config, refine_steps=40, **options)
     assert plain.config["mla"]["compression"]["refine_steps"] == 0
     assert refined.config["mla"]["compression"]["refine_steps"] == 40
+    assert refined.config["mla"]["compression"]["refine_queries"] == queries
     assert _logit_error(refined, model, unseen) < _logit_error(plain, model, unseen)
     again = convert.convert_state_dict(model.state_dict(), model.config, refine_steps=40, **options)
     assert all(torch.equal(refined[name], again[name]) for name in refined)  # deterministic
@@ -142,8 +184,10 @@ def test_the_default_is_sized_to_the_device_and_recorded():
     model = hf_model("llama", num_hidden_layers=1)
     calib = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(1))
     state = convert.convert_state_dict(model.state_dict(), model.config, kv_cache_ratio=0.5, calib=calib)
-    want = REFINE_STEPS["cuda" if torch.cuda.is_available() else "cpu"]
-    assert state.config["mla"]["compression"]["refine_steps"] == want == Refinement.sized(None).steps
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    compression = state.config["mla"]["compression"]
+    assert compression["refine_steps"] == REFINE_STEPS[device] == Refinement.sized(None).steps
+    assert compression["refine_queries"] == REFINE_QUERIES[device] == Refinement.sized(None).queries
 
 
 def test_cli_refine_steps_and_its_refusals(tmp_path):
@@ -155,6 +199,7 @@ def test_cli_refine_steps_and_its_refusals(tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["mla"]["compression"]["refine_steps"] == 7
     refusals = [
         (["--calib", str(calib), "--refine-steps", "-1"], "--refine-steps -1"),
+        (["--calib", str(calib), "--refine-queries", "0"], "--refine-queries 0"),
         (["--method", "svd", "--refine-steps", "5"], "--refine-steps fits each layer"),
     ]
     for bad, message in refusals:
@@ -197,3 +242,53 @@ def test_the_goal_is_the_original_stream_where_the_attention_output_enters_it_as
         assert torch.equal(seen["target"], calibration.original) and torch.equal(seen["base"], original)
     else:
         assert torch.allclose(seen["target"], compressed + added) and torch.equal(seen["base"], compressed)
+
+
+@pytest.mark.parametrize(
+    ("family", "layout", "ratio"),
+    # RoPE in both layouts, compressed and exact; q/k norms per head (Qwen 3) and over the projection (OLMo 2);
+    # soft-capped scores through explicit scores and a sliding window (Gemma 2), a sliding layer (Gemma 3), partial RoPE
+    [
+        ("llama", "factored", 0.5),
+        ("llama", "absorbed", 0.5),
+        ("qwen3", "factored", 0.5),
+        ("olmo2", "absorbed", 1.0),
+        ("gemma2", "factored", 1.0),
+        ("gemma3_text", "factored", 0.5),
+        ("qwen3", "absorbed", 1.0),
+        ("phi3", "factored", 1.0),
+    ],
+)
+@pytest.mark.parametrize("mask", ["given", "none"])  # the sequential calibration's mask, or the module's own
+def test_a_decoder_layer_at_some_query_positions_computes_what_it_does_there_on_the_whole_window(
+    family, layout, ratio, mask
+):
+    """`Refinement.queries`: a step fits some positions' queries, each attending to every key of its window,
+    so the decoder layer run on those positions alone (`_at_queries`, the keys from the attention's input on
+    the whole window) must compute what it computes there on the whole window."""
+    model = hf_model(family, dtype=torch.float64)
+    config = model.config.to_dict()
+    ids = torch.randint(0, 128, (1, 96), generator=torch.Generator().manual_seed(4))
+    options = dict(layout=layout, kv_cache_ratio=ratio, refine_steps=0, dtype="float64")
+    state = convert.convert_state_dict(model.state_dict(), model.config, **options, **_calibrated(ratio, ids))
+    stream = LayerStream(StateDictSource(model.state_dict(), config), config, torch.device("cpu"), torch.float64)
+    decoder = stream.decoder(0)
+    window = getattr(decoder.self_attn, "sliding_window", None)
+    mla = MLASection.from_dict(state.config["mla"])
+    tensors = layer_tensors(dict(state), mla, 0)
+    decoder.self_attn = build_mla_attention(mla, 0, tensors, rotary=stream.layer_rotary(0), sliding_window=window)
+    x = torch.randn(2, 24, config["hidden_size"], generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    positions, rotary, causal = stream.inputs(0, x)
+    kwargs = dict(hidden_states=x, attention_mask=causal if mask == "given" else None, position_embeddings=rotary)
+    kwargs["position_ids"] = positions
+    at = torch.tensor([0, 3, 4, 11, 23])  # the first, the last, and some past Gemma's window of 6
+    with torch.no_grad():
+        whole = layer_output(decoder(**kwargs))  # (B, L, D)
+        keys = _attention_inputs(decoder, decoder.self_attn, kwargs)  # (B, L, D): the layer stopped there
+        part = layer_output(decoder(**_at_queries(kwargs, at, keys, window)))  # (B, 5, D)
+    torch.testing.assert_close(part, whole[:, at], rtol=1e-12, atol=1e-12)
+
+
+def _calibrated(ratio: float, ids: torch.Tensor) -> dict:
+    """Calibration options for a compressed conversion (none for an exact one)."""
+    return {} if ratio == 1.0 else dict(method="whitened", calib=ids, calib_tokens=ids.shape[-1])

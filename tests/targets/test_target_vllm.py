@@ -308,7 +308,9 @@ def test_an_8b_shaped_source_is_compressed_into_the_latent_through_the_api(tmp_p
     exported = written["convert_export"]
     assert exported["latent_compressed"] and exported["latent_weighting"] == "fisher"
     assert exported["latent_calibration"] == (calibration or "original")
-    assert exported["latent_refine_steps"] == (Refinement.sized(None).steps if refine_steps is None else 0)
+    assert exported["latent_refine_steps"] == (
+        Refinement.sized(None, whole_windows=True).steps if refine_steps is None else 0
+    )
     assert exported["latent_content_dims"] == 64 * 15 + 1024 and exported["latent_dims_used"] == 510
     target = result.report["target"]
     assert target["cache_values_per_token_per_layer"] == 576 and target["gqa_cache_values_per_token_per_layer"] == 2048

@@ -129,5 +129,5 @@ def _calibrated(source, view, spec: AttentionSpec, config: dict, opts, biased: l
     if not compressed:
         return ExportChoices(stats=stats)
     # each compressed layer fitted to its attention output, as the MLA layouts are (sized to the device)
-    refinement = Refinement.sized(opts.refine_steps)
+    refinement = Refinement.sized(opts.refine_steps, whole_windows=True)  # the export's attention: every position
     return ExportChoices(stats=stats, sequential=latent_sequential(source, config, ids, opts.calibration, refinement))
