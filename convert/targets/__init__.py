@@ -50,11 +50,13 @@ def check_options(opts) -> None:
         "--kv-cache-ratio": opts.kv_cache_ratio,
         "--method": opts.method,
         "--allocation": opts.allocation,
+        "--refine-queries": opts.refine_queries,  # the vllm export's attention fits every position
     }
     calibration = {"--calib": opts.calib, "--max-ppl-ratio": opts.max_ppl_ratio, "--calibration": opts.calibration}
     ignored = ({} if entry.compresses else shape) | ({} if entry.calibrates else calibration)
     order = ("--layout", "--latent", "--rank", "--kv-cache-ratio", "--method", "--calib", "--allocation")
-    given = [flag for flag in (*order, "--max-ppl-ratio", "--calibration") if ignored.get(flag) not in (None, False)]
+    later = ("--max-ppl-ratio", "--calibration", "--refine-queries")
+    given = [flag for flag in (*order, *later) if ignored.get(flag) not in (None, False)]
     if given:
         raise ConvertError(
             f"{', '.join(given)}: only for --target mla (--target {opts.target} writes one fixed layout); "

@@ -200,6 +200,10 @@ def test_cli_refine_steps_and_its_refusals(tmp_path):
     refusals = [
         (["--calib", str(calib), "--refine-steps", "-1"], "--refine-steps -1"),
         (["--calib", str(calib), "--refine-queries", "0"], "--refine-queries 0"),
+        (
+            ["--calib", str(calib), "--target", "vllm", "--refine-queries", "64"],
+            "--refine-queries: only for --target mla",
+        ),
         (["--method", "svd", "--refine-steps", "5"], "--refine-steps fits each layer"),
     ]
     for bad, message in refusals:
