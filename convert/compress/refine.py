@@ -230,7 +230,8 @@ class _Fit:
             positions = None
             if queries is not None:  # (Q,) positions, in order
                 positions = torch.randperm(self.length, generator=generator)[:queries].sort().values
-            loss = self.step_error(index, positions.to(self.target.device) if positions is not None else None, keys)
+                positions = positions.to(self.target.device)
+            loss = self.step_error(index, positions, keys)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
