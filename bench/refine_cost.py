@@ -4,7 +4,7 @@ One compressed layer's `MLAAttention` (random weights: the cost does not depend 
 decoder layer of the shape's MLP, fitted by `convert.compress.refine.refine_attention` so that the
 layer's output matches a target on `--windows` calibration windows of `--window` tokens, as the
 sequential calibration hands it over: seconds per Adam step of `--queries` positions (default the
-device's, `REFINE_QUERIES`: 256 on a CPU, all with CUDA; the median of `--repeat` runs of 1 +
+device's, `REFINE_QUERIES`: 128 on a CPU, all with CUDA; the median of `--repeat` runs of 1 +
 `--steps` steps less that of runs of one, side by side) and the peak bytes a one-step fit allocates
 (the error evaluated on the checked windows before and after, then the step), for each layout. The
 per-layer cost at the device's default steps (`REFINE_STEPS`) and for the whole model follow.
