@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from convert.mla.kernels import causal_mask
 from convert.optim import relative_groups, warmup_cosine
 from convert.stream import layer_output
 
@@ -115,25 +116,16 @@ def _at_queries(rows: dict, positions: torch.Tensor, keys: torch.Tensor, window:
     keys and values still from every position of its input `keys` (B, L, D): the hidden states, cos/sin,
     position ids and mask rows of those positions, the keys' own beside them."""
     hidden, rotary, mask = rows["hidden_states"], rows.get("position_embeddings"), rows.get("attention_mask")
-    # the module's own causal mask (and window) where none is given, built for those rows alone
-    mask = _query_mask(positions, hidden.shape[1], hidden, window) if mask is None else mask[..., positions, :]
-    subset = dict(rows, hidden_states=hidden[:, positions], attention_mask=mask)
+    length = hidden.shape[1]
+    if mask is None:  # the module's own causal mask (and window) over the whole window, before taking rows
+        mask = causal_mask(length, length, hidden, window)  # (L, L)
+    subset = dict(rows, hidden_states=hidden[:, positions], attention_mask=mask[..., positions, :])
     subset |= {"key_states": keys, "key_position_embeddings": rotary}
     if rotary is not None:
         subset["position_embeddings"] = tuple(t[..., positions, :] for t in rotary)  # (B|1, Q, d)
     if rows.get("position_ids") is not None:
         subset["position_ids"] = rows["position_ids"][..., positions]
     return subset
-
-
-def _query_mask(positions: torch.Tensor, length: int, like: torch.Tensor, window: int | None) -> torch.Tensor:
-    """The rows `positions` (Q,) of `causal_mask(length, length, like, window)`, (Q, L), without building
-    the others: query p sees the keys j ≤ p (and, with a window, j > p − window)."""
-    keys = torch.arange(length, device=positions.device)  # (L,)
-    allowed = keys[None, :] <= positions[:, None]  # (Q, L)
-    if window is not None:
-        allowed &= keys[None, :] > positions[:, None] - window
-    return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill(~allowed, float("-inf"))
 
 
 def _error(module, kwargs: dict, target: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:

@@ -17,13 +17,11 @@ from convert.compress.refine import (
     Refinement,
     _at_queries,
     _attention_inputs,
-    _query_mask,
     refine_attention,
 )
 from convert.compress.sequential import SequentialCalibration
 from convert.mla.attention import build_mla_attention, layer_tensors
 from convert.mla.config import MLASection
-from convert.mla.kernels import causal_mask
 from convert.mla.model import build_mla_model
 from convert.source import StateDictSource
 from convert.stream import LayerStream, layer_output
@@ -293,16 +291,6 @@ def test_a_decoder_layer_at_some_query_positions_computes_what_it_does_there_on_
         keys = _attention_inputs(decoder, decoder.self_attn, kwargs)  # (B, L, D): the layer stopped there
         part = layer_output(decoder(**_at_queries(kwargs, at, keys, window)))  # (B, 5, D)
     torch.testing.assert_close(part, whole[:, at], rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("window", [None, 1, 6, 40])
-def test_a_steps_own_mask_is_those_rows_of_the_whole_windows_causal_mask(window):
-    """Where no mask is given, a step builds its query rows' mask alone (`_query_mask`): the same rows
-    as the whole window's causal mask, its sliding window included."""
-    like = torch.zeros((), dtype=torch.float32)
-    at = torch.tensor([0, 3, 4, 11, 23])
-    whole = causal_mask(24, 24, like, window)  # (L, L)
-    assert torch.equal(_query_mask(at, 24, like, window), whole[at])
 
 
 def _calibrated(ratio: float, ids: torch.Tensor) -> dict:
