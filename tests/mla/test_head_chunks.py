@@ -1,8 +1,9 @@
 """A prefill attends to its heads in chunks (`MLAAttention._head_chunks`), so that no temporary is
 wider than the original's (tests/mla/test_memory.py). Chunking must change memory only: the same
-outputs and the same gradients as all heads at once, in both layouts, compressed, with a q/k norm,
-with biases, with padding; and a module that is not a plain `nn.Linear` (a PEFT adapter) is never
-sliced around."""
+outputs as all heads at once, in both layouts, compressed, with a q/k norm, with biases, with
+padding, and the same gradients (refinement fits modules in eval mode, through the chunks); a
+module in training mode runs all heads at once; and a module that is not a plain `nn.Linear` (a
+PEFT adapter) is never sliced around."""
 
 import pytest
 import torch
@@ -25,14 +26,18 @@ CASES = {
 SHAPE = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_hidden_layers=2)
 
 
-def _one_chunk(self, length, weights, per_head, budget, modules):
+def _one_chunk(self, length, weights, per_head, budget, modules, training=False):
     return [slice(0, self.n_heads)]
+
+
+def _logits(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).logits
 
 
 def _outputs_and_grads(model, inputs):
     model.zero_grad(set_to_none=True)
-    out = model(**inputs)
-    logits = out.logits
+    logits = model(**inputs).logits
     logits.float().pow(2).mean().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return logits.detach(), grads
@@ -44,7 +49,7 @@ def test_chunked_heads_compute_what_all_heads_at_once_do(name, monkeypatch):
     original = hf_model(family, **SHAPE)
     if options.get("kv_cache_ratio"):
         options = options | {"calib": torch.randint(0, original.config.vocab_size, (1, 256)), "refine_steps": 0}
-    model = convert.to_mla(original, **options).train()
+    model = convert.to_mla(original, **options).eval()
     attention = next(m for m in model.modules() if isinstance(m, MLAAttention))
     chunks = attention._head_chunks(12, False, *_budget(attention), _modules(attention))
     assert len(chunks) > 1, f"{name}: a 12-token prefill attends in one chunk, nothing to compare"
@@ -53,13 +58,44 @@ def test_chunked_heads_compute_what_all_heads_at_once_do(name, monkeypatch):
     padding = torch.ones_like(ids)
     padding[1, :3] = 0  # the second sequence left-padded: a boolean mask reaches the attention
     inputs = {"input_ids": ids, "attention_mask": padding}
-    chunked_out, chunked_grads = _outputs_and_grads(model, inputs)
+    chunked_out, chunked_grads = _outputs_and_grads(model, inputs)  # eval mode: in chunks
     monkeypatch.setattr(MLAAttention, "_head_chunks", _one_chunk)
     whole_out, whole_grads = _outputs_and_grads(model, inputs)
     assert rel_err(chunked_out, whole_out) < 1e-6
     assert chunked_grads.keys() == whole_grads.keys() and len(whole_grads) > 0
     for param, grad in whole_grads.items():
         assert rel_err(chunked_grads[param], grad) < 1e-5, param
+
+
+@pytest.mark.parametrize("layout", ["absorbed", "factored"])
+def test_a_training_forward_attends_all_heads_at_once(layout, monkeypatch):
+    """Training keeps every head's keys, values and outputs for the backward, so a module in
+    training mode runs all heads at once (fewer kernels, less torch.compile time), with or without
+    grad (activation checkpointing's first pass). In eval mode a prefill runs in chunks, with or
+    without grad (refinement fits modules in eval mode, and keeps the bytes it gave)."""
+    model = convert.to_mla(hf_model("llama", **SHAPE), layout=layout)
+    counts = []
+    chunks_of = MLAAttention._head_chunks
+
+    def counted(self, *args, **kwargs):
+        chunks = chunks_of(self, *args, **kwargs)
+        counts.append(len(chunks))
+        return chunks
+
+    monkeypatch.setattr(MLAAttention, "_head_chunks", counted)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12))
+    whole = [1] * model.config.num_hidden_layers
+    model.train()(ids).logits.float().pow(2).mean().backward()  # a training step's forward
+    assert counts == whole, counts
+    counts.clear()
+    _logits(model, {"input_ids": ids})  # training mode, no grad: checkpointing's first pass
+    assert counts == whole, counts
+    counts.clear()
+    model.eval()(ids).logits.float().pow(2).mean().backward()  # eval mode, recorded: chunks
+    assert min(counts) > 1, counts
+    counts.clear()
+    _logits(model, {"input_ids": ids})
+    assert min(counts) > 1, counts  # eval, no_grad: chunks
 
 
 def _budget(attention):
