@@ -168,15 +168,13 @@ class MLAAttention(nn.Module):
         up = self.k_up.weight.view(self.n_heads, self.head_dim, self.rank_k)[heads]  # (h, d, r_K)
         return torch.einsum("bhld,hdr->bhlr", q_heads[:, heads], up)
 
-    def _head_chunks(
-        self, length: int, weights: bool, per_head: int, budget: int, modules, training: bool = False
-    ) -> list[slice]:
+    def _head_chunks(self, length: int, weights: bool, per_head: int, budget: int, modules) -> list[slice]:
         """The heads a prefill attends to at once: chunks of at most `budget` // `per_head` heads, so
         that no per-chunk temporary (queries, up-projected keys and values, outputs) is wider than
         the original's (H·d queries, G·d keys). All heads at once for a decode step (L = 1), explicit
         scores (they are (B, H, L, S) anyway), modules that are not plain `nn.Linear` (a PEFT
         adapter, a quantized or an offloaded layer: slicing their weights would bypass them) and a
-        module in training mode (`training`): autograd keeps every chunk's keys, values and outputs
+        module in training mode: autograd keeps every chunk's keys, values and outputs
         for the backward anyway, so there chunks bound no memory and cost kernels and torch.compile
         time (bench/train_step.py); an activation-checkpointed layer's no-grad first pass is taken
         whole as its recompute is. Refinement (`convert.compress.refine`) fits modules in eval mode:
@@ -184,7 +182,7 @@ class MLAAttention(nn.Module):
         plain = all(map(sliceable, modules))
         sdpa = self.attn_impl == "sdpa" and self.softcap is None and not weights
         size = max(1, budget // per_head)
-        if length == 1 or not sdpa or not plain or training or size >= self.n_heads:
+        if length == 1 or not sdpa or not plain or self.training or size >= self.n_heads:
             return [slice(0, self.n_heads)]
         return [slice(h, min(h + size, self.n_heads)) for h in range(0, self.n_heads, size)]
 
@@ -247,8 +245,7 @@ class MLAAttention(nn.Module):
         width = self.n_heads * self.head_dim // 2  # half the original's queries: its RoPE holds four such
         rotary = (cos[:, None], sin[:, None]) if self.rope else None
         out = probs = None
-        modules = (queries, self.o_absorbed)
-        for heads in self._head_chunks(x.shape[1], weights, self.rank_k, width, modules, self.training):
+        for heads in self._head_chunks(x.shape[1], weights, self.rank_k, width, (queries, self.o_absorbed)):
             o, probs = self._attend(self._rotated_query(x, heads, q_heads, rotary), k, v, attention_mask, weights)
             out = linear_cols_add(self.o_absorbed, o, cols(heads, self.rank_v), self.n_heads * self.rank_v, out)
             del o  # (B, L, h·r_V): not held through the next chunk's attention
@@ -294,7 +291,7 @@ class MLAAttention(nn.Module):
         keys = self.n_kv_heads * self.head_dim  # the original's keys (and values) per token
         modules = (self.k_up, self.v_up, self.o_proj)
         out = probs = None
-        for heads in self._head_chunks(x.shape[1], weights, self.head_dim, keys, modules, self.training):
+        for heads in self._head_chunks(x.shape[1], weights, self.head_dim, keys, modules):
             k, v = self._keys_values(c_k[:, 0], c_v[:, 0], heads, (k_cos, k_sin) if self.rope else None)
             o, probs = self._attend(q[:, heads], k, v, attention_mask, weights)
             out = linear_cols_add(self.o_proj, o, cols(heads, self.head_dim), self.n_heads * self.head_dim, out)

@@ -26,7 +26,7 @@ CASES = {
 SHAPE = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_hidden_layers=2)
 
 
-def _one_chunk(self, length, weights, per_head, budget, modules, training=False):
+def _one_chunk(self, length, weights, per_head, budget, modules):
     return [slice(0, self.n_heads)]
 
 
@@ -37,7 +37,8 @@ def _logits(model, inputs):
 
 def _outputs_and_grads(model, inputs):
     model.zero_grad(set_to_none=True)
-    logits = model(**inputs).logits
+    out = model(**inputs)
+    logits = out.logits
     logits.float().pow(2).mean().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return logits.detach(), grads
