@@ -35,9 +35,11 @@ What is measured, float32, on `--device` (auto: CUDA when there is one):
                    bytes allocated during the call above the weights (`AllocationPeak`: the
                    profiler's memory events on CPU, the allocator's peak on CUDA), the KV cache it
                    returns included.
-  compile time     `torch.compile(model)` on a training forward (train mode, grad enabled,
-                   labels, use_cache=False) of one training batch: the first compiled call minus
-                   the eager call (median of 2 after a warm-up), each model compiled with Dynamo
+  compile time     `torch.compile(model)` on a training step's forward and backward (train mode,
+                   labels, use_cache=False) of one training batch: the first compiled forward
+                   minus the eager forward, plus the first compiled backward (AOTAutograd compiles
+                   the backward graph there) minus the eager backward (eager: medians of 2 after
+                   a warm-up); the two parts are recorded too. Each model compiled with Dynamo
                    reset and a fresh, empty Inductor cache (`torch._inductor.utils.fresh_cache`),
                    after an untimed compile of a small module (Inductor's one-time start-up).
                    `--compile-layers N`: the models cut to their first N decoder layers for this
@@ -312,7 +314,7 @@ def main(argv=None) -> int:
                 flush=True,
             )
 
-    # -- torch.compile: first compiled training forward minus the eager one
+    # -- torch.compile: first compiled training forward and backward minus the eager ones
     from torch._inductor.utils import fresh_cache
 
     batch_ids = train_ids[: args.batch].to(device)
@@ -330,24 +332,45 @@ def main(argv=None) -> int:
         try:
             torch._dynamo.reset()
             with fresh_cache():
-                eager = []
+                eager, eager_back = [], []
                 for _ in range(3):
                     t1 = time.perf_counter()
-                    forward(model)
-                    eager.append(time.perf_counter() - t1)
+                    loss = forward(model)
+                    t2 = time.perf_counter()
+                    loss.backward()
+                    sync()
+                    eager.append(t2 - t1)
+                    eager_back.append(time.perf_counter() - t2)
+                    model.zero_grad(set_to_none=True)
                 compiled = torch.compile(model)
                 t1 = time.perf_counter()
-                forward(compiled)
+                loss = forward(compiled)
                 first = time.perf_counter() - t1
+                t1 = time.perf_counter()
+                loss.backward()  # AOTAutograd compiles the backward graph at its first call
+                sync()
+                first_back = time.perf_counter() - t1
+                model.zero_grad(set_to_none=True)
                 t1 = time.perf_counter()
                 forward(compiled)
                 again = time.perf_counter() - t1
         finally:
             model.model.layers = layers
+            model.zero_grad(set_to_none=True)
             model.eval()
             torch._dynamo.reset()
-        eager_s = C.median(eager[1:])
-        return {"eager_s": eager_s, "first_compiled_s": first, "compile_s": first - eager_s, "compiled_s": again}
+        eager_s, eager_back_s = C.median(eager[1:]), C.median(eager_back[1:])
+        forward_s, backward_s = first - eager_s, first_back - eager_back_s
+        return {
+            "eager_s": eager_s,
+            "eager_backward_s": eager_back_s,
+            "first_compiled_s": first,
+            "first_compiled_backward_s": first_back,
+            "compile_forward_s": forward_s,
+            "compile_backward_s": backward_s,
+            "compile_s": forward_s + backward_s,
+            "compiled_s": again,
+        }
 
     if args.compile_repeats and args.compile_models != []:
         warm = torch.nn.Linear(8, 8).to(device)  # Inductor's one-time start-up, untimed
@@ -359,7 +382,12 @@ def main(argv=None) -> int:
     for rep in range(args.compile_repeats if compiled_names else 0):
         for name in C.rotate(compiled_names, rep):
             compiles[name].append(compile_once(models[name]))
-            print(f"{name}: compile {compiles[name][-1]['compile_s']:.1f}s", flush=True)
+            done = compiles[name][-1]
+            print(
+                f"{name}: compile {done['compile_s']:.1f}s (forward {done['compile_forward_s']:.1f}s, "
+                f"backward {done['compile_backward_s']:.1f}s)",
+                flush=True,
+            )
 
     # -- summary
     def ratio(x, ref):
@@ -375,10 +403,14 @@ def main(argv=None) -> int:
             "prefill_ratio": ratio(prefill[name]["peak_bytes"], prefill["original"]["peak_bytes"]),
             "prefill_kv_cache_bytes": prefill[name]["kv_cache_bytes"],
             "compile_s": C.median([c["compile_s"] for c in compiles[name]]),
+            "compile_forward_s": C.median([c["compile_forward_s"] for c in compiles[name]]),
+            "compile_backward_s": C.median([c["compile_backward_s"] for c in compiles[name]]),
             "eager_forward_s": C.median([c["eager_s"] for c in compiles[name]]),
             "train": {},
         }
-        row["compile_ratio"] = ratio(row["compile_s"], C.median([c["compile_s"] for c in compiles["original"]]))
+        for part in ("", "_forward", "_backward"):
+            reference = C.median([c[f"compile{part}_s"] for c in compiles["original"]])
+            row[f"compile{part}_ratio"] = ratio(row[f"compile{part}_s"], reference)
         for g in CHECKPOINTING:
             key, ref = f"{name}:{g}", f"original:{g}"
             med, cpu = C.median(steps[key]), C.median(cpu_steps[key])
@@ -416,6 +448,8 @@ def main(argv=None) -> int:
             part += f" ({row['prefill_ratio']:.3f}×{verdict(row['prefill_ratio'], GOALS['prefill'])})"
         parts.append(part + ";")
         part = "not compiled" if row["compile_s"] is None else f"compile {row['compile_s']:.1f}s"
+        if row["compile_s"] is not None:
+            part += f" (forward {row['compile_forward_s']:.1f}s, backward {row['compile_backward_s']:.1f}s)"
         if name != "original" and row["compile_ratio"] is not None:
             part += f" ({row['compile_ratio']:.3f}×{verdict(row['compile_ratio'], GOALS['compile'])})"
         parts.append(part)
@@ -426,7 +460,7 @@ def main(argv=None) -> int:
     print(
         f"\n### {args.model}, float32, {where}: Trainer steps of {args.batch} × {args.window} tokens "
         f"(medians of {args.repeat} repeats × {args.steps - 2}–{args.steps - 1} timed steps), prefill of "
-        f"1 × {args.prefill_tokens} tokens, torch.compile of a training forward ({layers})\n"
+        f"1 × {args.prefill_tokens} tokens, torch.compile of a training forward and backward ({layers})\n"
     )
     rows = []
     for name, row in summary.items():
@@ -500,7 +534,8 @@ def main(argv=None) -> int:
                 "state's bytes at the step's start + the peak of torch.profiler's memory events over the step",
                 "prefill_peak_bytes": "peak bytes allocated during the prefill call above what was allocated "
                 "before it (CPU: torch.profiler memory events; CUDA: the allocator's peak), logits_to_keep=1",
-                "compile_s": "first call of torch.compile(model) on a training forward minus the eager call",
+                "compile_s": "first call of torch.compile(model) on a training forward minus the eager call, "
+                "plus its first backward minus the eager backward (compile_forward_s, compile_backward_s)",
             },
             "summary": summary,
             "step_samples_s": steps,

@@ -9,8 +9,8 @@ from torch import nn
 
 from convert.linalg.rope import latent_groups, latent_ungroup
 from convert.mla.config import LayerEntry, MLASection
-from convert.mla.kernels import attend_eager, attend_sdpa, cols, linear_cols_add, linear_rows, sliceable
-from convert.mla.rope import apply_rope, cached_positions, latent_cos_sin
+from convert.mla.kernels import attend_eager, attend_sdpa, cols, linear_cols_add, linear_rows, merge_heads, sliceable
+from convert.mla.rope import apply_rope, cached_positions, latent_rope
 
 
 class QKNorm(nn.Module):
@@ -226,16 +226,14 @@ class MLAAttention(nn.Module):
             out, probs = attend_eager(
                 q, k, v, attention_mask, self.scaling, self.softcap, self.is_causal, self.sliding_window, zero_empty
             )  # (B, H, L, f), (B, H, L, S)
-        else:
-            out = attend_sdpa(q, k, v, attention_mask, self.scaling, self.is_causal, self.sliding_window)
-            probs = None
-        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1), (probs if weights else None)  # (B, L, H·f)
+            return merge_heads(out, out.shape[-1]), (probs if weights else None)  # (B, L, H·f)
+        return attend_sdpa(q, k, v, attention_mask, self.scaling, self.is_causal, self.sliding_window), None
 
     def _absorbed(self, x, position_embeddings, attention_mask, cache, weights: bool, kv_inputs: tuple):
         c_k, c_v = self.latents(kv_inputs[0])  # (B, S, r_K), (B, S, r_V)
         if self.rope:
-            cos, sin = latent_cos_sin(*position_embeddings, self.freq_index(x.device))  # (B, L, r_K)
-            c_k = apply_rope(c_k, *latent_cos_sin(*kv_inputs[1], self.freq_index(x.device)))  # the keys' (B, S, r_K)
+            cos, sin = position_embeddings  # (B, L, d): the source's, gathered by `latent_rope`
+            c_k = latent_rope(c_k, *kv_inputs[1], self.freq_index(x.device))  # the keys' (B, S, r_K)
         k, v = c_k[:, None], c_v[:, None]  # (B, 1, L, r)
         if cache is not None:
             k, v = self._update_cache(cache, k, v)
@@ -252,9 +250,10 @@ class MLAAttention(nn.Module):
         return out, probs
 
     def _rotated_query(self, x, heads: slice, q_heads, rotary) -> torch.Tensor:
-        """The latent queries of `heads` (B, h, L, r_K), rotated when `rotary` (cos, sin) is given."""
+        """The latent queries of `heads` (B, h, L, r_K), rotated when `rotary` (the source's cos,
+        sin (B, 1, L, d)) is given."""
         q = self._latent_query(x, heads, q_heads)
-        return apply_rope(q, *rotary) if rotary is not None else q
+        return latent_rope(q, *rotary, self.freq_index(x.device)) if rotary is not None else q
 
     def _static_prefill(self, cache, attention_mask, k, v, length: int):
         """k, v (B, ·, S, ·) as this call attends to them: the first `length` slots where transformers

@@ -4,7 +4,7 @@ a slice of heads only (`convert.mla.attention.MLAAttention` runs its heads in ch
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 
 def sliceable(module: nn.Module) -> bool:
@@ -73,6 +73,65 @@ def _same_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return q, k, v
 
 
+def merge_heads(out: Tensor, value_dim: int) -> Tensor:
+    """Attention outputs (B, H, L, e) -> (B, L, H·f): each head's first f = `value_dim` dims (the
+    others, where e > f, are the zero-padded value latent's, `_same_head_dim`)."""
+    if out.shape[-1] == value_dim:
+        return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+    return merged_value_heads(out, value_dim)
+
+
+@torch.library.custom_op("convert::merged_value_heads", mutates_args=())
+def merged_value_heads(out: Tensor, value_dim: int) -> Tensor:
+    """`merge_heads` of a padded output (e > f), a new contiguous tensor, as one operator (forward
+    and backward) that torch.compile runs as it is: compressed layers' widths differ, and traced,
+    this copy and its gradient gave every layer its own generated kernels (bench/train_step.py)."""
+    batch, n_heads, length, _ = out.shape
+    merged = out.new_empty(batch, length, n_heads, value_dim)
+    merged.copy_(out[..., :value_dim].transpose(1, 2))  # (B, L, H, f)
+    return merged.view(batch, length, n_heads * value_dim)
+
+
+@merged_value_heads.register_fake
+def _merged_value_heads_shape(out, value_dim):
+    return out.new_empty(out.shape[0], out.shape[2], out.shape[1] * value_dim)
+
+
+@torch.library.custom_op("convert::merged_value_heads_backward", mutates_args=())
+def merged_value_heads_backward(grad: Tensor, n_heads: int, head_dim: int) -> Tensor:
+    """The gradient of `merged_value_heads`: grad (B, L, H·f) -> (B, H, L, e), zero past f."""
+    batch, length, features = grad.shape
+    value_dim = features // n_heads
+    out = grad.new_zeros(batch, n_heads, length, head_dim)
+    out[..., :value_dim] = grad.reshape(batch, length, n_heads, value_dim).transpose(1, 2)
+    return out
+
+
+@merged_value_heads_backward.register_fake
+def _merged_value_heads_backward_shape(grad, n_heads, head_dim):
+    return grad.new_empty(grad.shape[0], n_heads, grad.shape[1], head_dim)
+
+
+def _save_widths(ctx, inputs, output) -> None:
+    ctx.n_heads, ctx.head_dim = inputs[0].shape[1], inputs[0].shape[-1]
+
+
+def _merged_grad(ctx, grad):
+    return merged_value_heads_backward(grad, ctx.n_heads, ctx.head_dim), None
+
+
+def _save_value_dim(ctx, inputs, output) -> None:
+    ctx.value_dim = inputs[0].shape[-1] // inputs[1]
+
+
+def _merged_backward_grad(ctx, grad):  # the padding's transpose: the slice, merged
+    return merged_value_heads(grad, ctx.value_dim), None, None
+
+
+merged_value_heads.register_autograd(_merged_grad, setup_context=_save_widths)
+merged_value_heads_backward.register_autograd(_merged_backward_grad, setup_context=_save_value_dim)
+
+
 def causal_mask(length: int, total: int, like: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """Additive (L, S) causal mask for the last L of S positions (and a sliding window, as
     transformers builds it: a query sees itself and the window − 1 keys before it)."""
@@ -104,7 +163,8 @@ def attend_eager(q, k, v, attention_mask, scaling: float, softcap, causal: bool,
 
 
 def attend_sdpa(q, k, v, attention_mask, scaling: float, causal: bool, window):
-    """`attend_eager` through SDPA, without soft-capping (same masks; a fully masked row gives 0, not NaN).
+    """`attend_eager`'s output through SDPA, without soft-capping (same masks; a fully masked row
+    gives 0, not NaN), its heads merged: (B, L, H·f) (`merge_heads`).
 
     The latent (k.shape[1] == 1) is shared by all heads and never copied per head: a
     decode step folds the heads into the query length (few passes over the cache); a
@@ -123,14 +183,14 @@ def attend_sdpa(q, k, v, attention_mask, scaling: float, causal: bool, window):
             top_left = True  # SDPA's causal mask is top-left aligned: right only without cached keys
         else:
             mask = causal_mask(length, seq, q, window)  # (L, S)
-    if k.shape[1] != n_heads and length == 1:
-        return _decode_shared_latent(q, k, v, mask, scaling)
     value_dim = v.shape[-1]
+    if k.shape[1] != n_heads and length == 1:
+        return merge_heads(_decode_shared_latent(q, k, v, mask, scaling), value_dim)
     q, k, v = _same_head_dim(q, k, v)
     if k.shape[1] != n_heads:
         k, v = k.expand(-1, n_heads, -1, -1), v.expand(-1, n_heads, -1, -1)  # stride-0 views
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=top_left, scale=scaling)
-    return out[..., :value_dim]  # (B, H, L, f)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=top_left, scale=scaling)  # (B, H, L, e)
+    return merge_heads(out, value_dim)  # (B, L, H·f)
 
 
 def _decode_shared_latent(q, k, v, mask, scaling: float):
