@@ -98,26 +98,26 @@ def _merged_value_heads_shape(out, value_dim):
 
 
 @torch.library.custom_op("convert::merged_value_heads_backward", mutates_args=())
-def merged_value_heads_backward(grad: Tensor, n_heads: int, head_dim: int) -> Tensor:
-    """The gradient of `merged_value_heads`: grad (B, L, H·f) -> (B, H, L, e), zero past f."""
+def merged_value_heads_backward(grad: Tensor, n_heads: int, width: int) -> Tensor:
+    """The gradient of `merged_value_heads`: grad (B, L, H·f) -> (B, H, L, e = `width`), zero past f."""
     batch, length, features = grad.shape
     value_dim = features // n_heads
-    out = grad.new_zeros(batch, n_heads, length, head_dim)
+    out = grad.new_zeros(batch, n_heads, length, width)
     out[..., :value_dim] = grad.reshape(batch, length, n_heads, value_dim).transpose(1, 2)
     return out
 
 
 @merged_value_heads_backward.register_fake
-def _merged_value_heads_backward_shape(grad, n_heads, head_dim):
-    return grad.new_empty(grad.shape[0], n_heads, grad.shape[1], head_dim)
+def _merged_value_heads_backward_shape(grad, n_heads, width):
+    return grad.new_empty(grad.shape[0], n_heads, grad.shape[1], width)
 
 
 def _save_widths(ctx, inputs, output) -> None:
-    ctx.n_heads, ctx.head_dim = inputs[0].shape[1], inputs[0].shape[-1]
+    ctx.n_heads, ctx.width = inputs[0].shape[1], inputs[0].shape[-1]  # H, e
 
 
 def _merged_grad(ctx, grad):
-    return merged_value_heads_backward(grad, ctx.n_heads, ctx.head_dim), None
+    return merged_value_heads_backward(grad, ctx.n_heads, ctx.width), None
 
 
 def _save_value_dim(ctx, inputs, output) -> None:
