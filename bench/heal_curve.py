@@ -7,7 +7,7 @@ on the first --calib-tokens of the first healing book, the package's defaults), 
 concatenation of two novels, judged every --every steps on a third (windows of 1,024). Writes
 bench/results/heal_curve_<device>.json and a PNG beside it.
 
-    python bench/heal_curve.py                       # CPU: 200 steps of 256 tokens (~20 min on 2 cores)
+    python bench/heal_curve.py                       # CPU: 1,000 steps of 256 tokens (~1 h on 2 cores)
     python bench/heal_curve.py --device cuda         # a GPU's sizes: 2,000 steps of 8 x 1,024 tokens
     python bench/heal_curve.py --heal-books emma,persuasion --eval-book prideprejudice
 """
@@ -43,14 +43,14 @@ def parse_args(argv=None):
         help="the Fisher statistics read the first --fisher-tokens of them (the package's default)",
     )
     p.add_argument("--eval-tokens", type=int, default=4096)
-    p.add_argument("--every", type=int, default=25, help="judge every N steps")
+    p.add_argument("--every", type=int, default=None, help="judge every N steps; default: the checks'")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--steps", type=int, default=None, help="default: the device's (HEAL_SIZES)")
     p.add_argument("--batch-size", type=int, default=None, help="default: the device's")
     p.add_argument("--window", type=int, default=None, help="default: the device's")
     p.add_argument("--tokens", type=int, default=None, help="healing tokens read; default: the device's")
     p.add_argument("--lr", type=float, default=1e-3, help="relative, as convert heal --lr")
-    p.add_argument("--check-every", type=int, default=25)
+    p.add_argument("--check-every", type=int, default=None, help="default: the device's (HEAL_SIZES)")
     p.add_argument("--out", type=Path, default=None, help="default bench/results/heal_curve_<device>.json")
     return p.parse_args(argv)
 
@@ -117,8 +117,9 @@ def main(argv=None):
     from convert.options import HealOptions
 
     opts = HealOptions(
-        device=args.device, steps=args.steps, batch_size=args.batch_size, window=args.window, tokens=args.tokens
-    ).sized()
+        device=args.device, steps=args.steps, batch_size=args.batch_size, window=args.window, tokens=args.tokens,
+        check_every=args.check_every,
+    ).sized()  # fmt: skip
     device = opts.torch_device
     src = realdata.smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(src)
@@ -138,8 +139,8 @@ def main(argv=None):
     student.to(device)
     train_ids, check_ids = hold_out(heal_ids, 16, "check tokens", "", most=32768)  # as convert heal does
     per_step = opts.batch_size * opts.window
-    curve = Curve(original, eval_ids, args.every, per_step)
-    checks = HealingCallback(original, check_ids, every=args.check_every, window=opts.window)
+    curve = Curve(original, eval_ids, args.every or opts.check_every or opts.steps, per_step)
+    checks = HealingCallback(original, check_ids, every=opts.check_every, window=opts.window)
     with tempfile.TemporaryDirectory() as work:
         training = transformers.TrainingArguments(
             output_dir=work, max_steps=opts.steps, per_device_train_batch_size=opts.batch_size,
@@ -167,7 +168,7 @@ def main(argv=None):
         "eval_book": args.eval_book,
         "eval_tokens": int(eval_ids.shape[-1]),
         "heal_tokens_read": int(heal_ids.shape[-1]),
-        "sizes": {k: getattr(opts, k) for k in ("steps", "batch_size", "window", "tokens")},
+        "sizes": {k: getattr(opts, k) for k in ("steps", "batch_size", "window", "tokens", "check_every")},
         "lr": args.lr,
         "convert_s": convert_s,
         "heal_s": heal_s,

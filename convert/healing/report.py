@@ -53,10 +53,6 @@ def healing_warnings(report: dict) -> list[str]:
             f"Healing moved the model away from the original on the held-out tokens (KL {before['kl_mean']:.4g} -> "
             f"{after['kl_mean']:.4g}), whatever its perplexity says: heal on text more like the held-out text, "
             "lower --lr, or keep the unhealed model"
-            + (
-                "."
-                if report.get("checks")
-                else " (--check-every 25 keeps the weights best on unseen tokens of --text)."
-            )
+            + ("." if report.get("checks") else " (--check-every N keeps the weights best on unseen tokens of --text).")
         )
     return warnings

@@ -32,7 +32,7 @@ class HealOptions(FromKwargs):
     steps: int | None = option(
         None,
         "Optimizer steps (each on one global batch of windows: see --batch-size). Default: sized by the "
-        "device (CPU 200, CUDA 2,000).",
+        "device (CPU 1,000, CUDA 2,000).",
         group="training",
         kind=int,
     )
@@ -52,16 +52,18 @@ class HealOptions(FromKwargs):
     tokens: int | None = option(
         None,
         "Tokens of --text to use (the last eighth is held out unless --eval-text; of the rest, the last "
-        "sixteenth, at most 32,768, is kept for --check-every). Default: sized by the device (CPU 51,200, "
+        "sixteenth, at most 32,768, is kept for --check-every). Default: sized by the device (CPU 256,000, "
         "CUDA 4,194,304).",
         group="training",
         kind=int,
     )
-    check_every: int = option(
-        25,
+    check_every: int | None = option(
+        None,
         "Every N steps, measure the KL on a slice of --text held out from training (its last sixteenth): "
-        "keep the best weights, and when the KL got worse go back to them at half the rate. 0: no checks.",
+        "keep the best weights, and when the KL got worse go back to them at half the rate. 0: no checks. "
+        "Default: sized by the device (CPU 125, CUDA 250: eight checks in a run of the default steps).",
         group="training",
+        kind=int,
     )
     seed: int = option(0, "Seed of the window order.", group="training")
     batch_size: int | None = option(
@@ -119,7 +121,7 @@ class HealOptions(FromKwargs):
             raise ConvertError(f"--window {self.window} / --eval-window {self.eval_window}: at least 2 tokens each")
         if self.tokens is not None and self.tokens < 4:
             raise ConvertError(f"--tokens {self.tokens} must be at least 4")
-        if self.check_every < 0:
+        if self.check_every is not None and self.check_every < 0:
             raise ConvertError(f"--check-every {self.check_every} must be 0 (no checks) or a number of steps")
         choice("--mixed-precision", self.mixed_precision, MIXED_PRECISIONS)
         choice("--log-with", self.log_with, TRACKERS)
@@ -139,12 +141,14 @@ class HealOptions(FromKwargs):
         return replace(self, **{k: v for k, v in sizes.items() if getattr(self, k) is None})
 
 
-#: Healing's sizes by device, for the options left unset: what two CPU cores train in minutes
-#: (measured: docs/healing.md), and a GPU's (8,192 tokens a step; docs/healing.md, "Sized by the device").
-#: The CPU reads as many tokens as its steps train, so each window is trained about once.
+#: Healing's sizes by device, for the options left unset: what takes SmolLM2 at 25% of the cache to
+#: x1.10 its perplexity on two CPU cores (about an hour; measured: docs/healing.md), and a GPU's
+#: (8,192 tokens a step; docs/healing.md, "Sized by the device"). The CPU reads as many tokens as its
+#: steps train, so each window is trained about once. Either checks eight times in a run of its steps:
+#: a check reads a sixteenth of what is read, so checking every 25 CPU steps would cost more than training.
 HEAL_SIZES = {
-    "cpu": {"steps": 200, "window": 256, "tokens": 51200, "batch_size": 1},
-    "cuda": {"steps": 2000, "window": 1024, "tokens": 1 << 22, "batch_size": 8},
+    "cpu": {"steps": 1000, "window": 256, "tokens": 256000, "batch_size": 1, "check_every": 125},
+    "cuda": {"steps": 2000, "window": 1024, "tokens": 1 << 22, "batch_size": 8, "check_every": 250},
 }
 
 

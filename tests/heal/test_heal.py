@@ -19,7 +19,7 @@ from conftest import TINY_LLAMA, hf_model
 # Random tokens: with few training tokens the model memorises them and the held-out KL barely
 # moves; 8k tokens in windows of 64 generalise (held-out KL 0.56 -> 0.40 on this fixture at a
 # relative lr of 2e-2).
-HEAL = {"steps": 100, "lr": 2e-2, "window": 64, "tokens": 8192, "progress": False, "device": "cpu"}
+HEAL = {"steps": 100, "lr": 2e-2, "window": 64, "tokens": 8192, "check_every": 25, "progress": False, "device": "cpu"}
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
@@ -89,7 +89,7 @@ def test_a_text_too_short_for_the_check_tokens_is_refused_with_the_fix():
     options = HEAL | {"tokens": 64, "steps": 2}
     with pytest.raises(convert.ConvertError, match="too short to hold out check tokens.*check_every=0"):
         convert.heal(model, _ids(3, 1), original=original, eval_texts=_ids(64, 2), **options)
-    result = convert.heal(model, _ids(3, 1), original=original, eval_texts=_ids(64, 2), **options, check_every=0)
+    result = convert.heal(model, _ids(3, 1), original=original, eval_texts=_ids(64, 2), **options | {"check_every": 0})
     assert result.report["checks"] is None and result.report["train_tokens"] == 3
 
 
@@ -203,6 +203,18 @@ def test_cli_heal_refusals(compressed, tmp_path):
     (foreign / "keep.txt").write_text("mine")
     result = _run("heal", converted, "--text", train, "--original", src, "-o", foreign, "--force", "-q")
     assert result.exit_code == 2 and (foreign / "keep.txt").read_text() == "mine"
+
+
+def test_unset_sizes_are_the_devices_and_given_ones_kept():
+    from convert.options import HEAL_SIZES, HealOptions
+
+    cpu = HealOptions(device="cpu").sized()
+    assert {k: getattr(cpu, k) for k in HEAL_SIZES["cpu"]} == HEAL_SIZES["cpu"]
+    given = HealOptions(device="cpu", steps=7, check_every=0, window=16).sized()  # 0 (no checks) is a value
+    assert (given.steps, given.check_every, given.window) == (7, 0, 16)
+    assert given.tokens == HEAL_SIZES["cpu"]["tokens"]
+    for sizes in HEAL_SIZES.values():  # each device checks eight times in a run of its default steps
+        assert sizes["steps"] // sizes["check_every"] == 8
 
 
 def test_heal_finds_the_original_from_the_report(tmp_path):
