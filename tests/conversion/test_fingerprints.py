@@ -1,7 +1,7 @@
 """Behaviour unchanged: what `gqa2mla` writes for the shipped fixture and the real SmolLM2, each
 layout, compressed and each export target, is byte for byte what fixtures/fingerprints.py recorded
 before the code was restructured (re-recorded where a change was meant), on the machine it was
-recorded on (now a Xeon).
+recorded on (`fp.machine()`: CPU model and generation, vector instructions, torch, threads).
 Elsewhere: the same tensors and config fields, and the exact outputs' tensor norms to 1e-6."""
 
 import json
