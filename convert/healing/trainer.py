@@ -11,6 +11,7 @@ from transformers import Trainer, TrainerCallback
 from convert.errors import ConvertError
 from convert.healing.data import WindowsInMemory
 from convert.healing.objective import Backtracking, distillation_loss, healing_optimizer, healing_scheduler, held_out_kl
+from convert.options import HEAL_SIZES
 
 
 class HealingWindows(Dataset):
@@ -30,11 +31,16 @@ class HealingWindows(Dataset):
 
 class HealingCallback(TrainerCallback):
     """The checks of `convert heal` in a `Trainer`: every `every` optimizer steps (and at the last)
-    the KL to `teacher` on `check_ids` (1, N), never trained on; a better one keeps the weights, a
-    worse one goes back to the best at half the rate (`Backtracking`). Pass the same instance to
-    `DistillationTrainer(checks=...)`, whose schedule reads the rate's scale."""
+    the KL to `teacher` on `check_ids` (1, N) in windows of `window` tokens, never trained on; a
+    better one keeps the weights, a worse one goes back to the best at half the rate (`Backtracking`).
+    `every` and `window` left unset are `convert heal`'s for the device the model trains on
+    (`HEAL_SIZES`: CPU every 125 steps in 256-token windows, CUDA every 250 in 1,024). Pass the same
+    instance to `DistillationTrainer(checks=...)`, whose schedule reads the rate's scale."""
 
-    def __init__(self, teacher, check_ids: torch.Tensor, every: int = 25, window: int = 256) -> None:
+    def __init__(self, teacher, check_ids: torch.Tensor, every: int | None = None, window: int | None = None) -> None:
+        for name, value in (("every", every), ("window", window)):
+            if value is not None and value < 1:
+                raise ConvertError(f"HealingCallback({name}={value}): give a positive number of steps/tokens or None")
         self.teacher, self.check_ids, self.every, self.window = teacher, check_ids, every, window
         self.backtracking: Backtracking | None = None
 
@@ -46,6 +52,9 @@ class HealingCallback(TrainerCallback):
         """Measure the unhealed model (the first best) and follow `optimizer` and `scheduler`."""
         trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
         device = next(iter(trainable.values())).device
+        sizes = HEAL_SIZES["cuda" if device.type == "cuda" else "cpu"]
+        self.every = self.every if self.every is not None else sizes["check_every"]
+        self.window = self.window if self.window is not None else sizes["window"]
         ids = self.check_ids.to(device)
         self.backtracking = Backtracking(
             trainable, optimizer, lambda: held_out_kl(self.teacher, model, ids, self.window)

@@ -17,6 +17,7 @@ from convert.healing import (
 )
 from convert.healing.train import hold_out
 from convert.healing.trainer import DistillationTrainer, HealingCallback, HealingWindows
+from convert.options import HEAL_SIZES
 
 from conftest import hf_model
 
@@ -101,6 +102,21 @@ def test_the_checks_go_back_when_a_step_makes_the_model_worse():
     checks.on_step_end(None, state, transformers.TrainerControl())
     assert torch.equal(p, best) and checks.scale == 0.5
     assert optimizer.param_groups[0]["lr"] == pytest.approx(scheduler.base_lrs[0] * 0.5 * warmup_cosine(0, 10))
+
+
+def test_unset_check_sizes_are_convert_heals_for_the_device():
+    """`every` and `window` left unset are what `convert heal` checks with on the model's device
+    (its CPU sizes here); given ones are kept; a zero is refused, not a check at every step."""
+    original = hf_model("llama")
+    student = _student(original)
+    optimizer = healing_optimizer(student, 1e-3)
+    unset, given = HealingCallback(original, _ids(128, 3)), HealingCallback(original, _ids(128, 3), every=3, window=16)
+    for checks in (unset, given):
+        checks.start(student, optimizer, healing_scheduler(optimizer, 10, checks))
+    assert (unset.every, unset.window) == (HEAL_SIZES["cpu"]["check_every"], HEAL_SIZES["cpu"]["window"])
+    assert (given.every, given.window) == (3, 16)
+    with pytest.raises(convert.ConvertError, match="every=0"):
+        HealingCallback(original, _ids(128, 3), every=0)
 
 
 def test_the_loss_leaves_padding_out():
