@@ -11,7 +11,7 @@ from transformers import Trainer, TrainerCallback
 from convert.errors import ConvertError
 from convert.healing.data import WindowsInMemory
 from convert.healing.objective import Backtracking, distillation_loss, healing_optimizer, healing_scheduler, held_out_kl
-from convert.options import HEAL_SIZES
+from convert.options import heal_sizes
 
 
 class HealingWindows(Dataset):
@@ -52,7 +52,7 @@ class HealingCallback(TrainerCallback):
         """Measure the unhealed model (the first best) and follow `optimizer` and `scheduler`."""
         trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
         device = next(iter(trainable.values())).device
-        sizes = HEAL_SIZES["cuda" if device.type == "cuda" else "cpu"]
+        sizes = heal_sizes(device)
         self.every = self.every if self.every is not None else sizes["check_every"]
         self.window = self.window if self.window is not None else sizes["window"]
         ids = self.check_ids.to(device)

@@ -30,7 +30,7 @@ from convert.options.fields import (
     torch_dtypes,
 )
 from convert.options.terms import python_terms
-from convert.options.training import EVAL_TASKS, HEAL_SIZES, EvalOptions, HealOptions
+from convert.options.training import EVAL_TASKS, HEAL_SIZES, EvalOptions, HealOptions, heal_sizes
 
 __all__ = [
     "ALLOCATIONS",
@@ -58,6 +58,7 @@ __all__ = [
     "cli_fields",
     "dtype_name",
     "field_default",
+    "heal_sizes",
     "option",
     "python_terms",
     "resolve_device",

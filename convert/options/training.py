@@ -137,7 +137,7 @@ class HealOptions(FromKwargs):
 
     def sized(self) -> HealOptions:
         """These options with every size left unset (None) taken from `HEAL_SIZES` for the device."""
-        sizes = HEAL_SIZES["cuda" if self.torch_device.type == "cuda" else "cpu"]
+        sizes = heal_sizes(self.torch_device)
         return replace(self, **{k: v for k, v in sizes.items() if getattr(self, k) is None})
 
 
@@ -150,6 +150,11 @@ HEAL_SIZES = {
     "cpu": {"steps": 1000, "window": 256, "tokens": 256000, "batch_size": 1, "check_every": 125},
     "cuda": {"steps": 2000, "window": 1024, "tokens": 1 << 22, "batch_size": 8, "check_every": 250},
 }
+
+
+def heal_sizes(device: torch.device) -> dict[str, int]:
+    """`HEAL_SIZES` for `device`: CUDA's on a CUDA device, the CPU's anywhere else."""
+    return HEAL_SIZES["cuda" if device.type == "cuda" else "cpu"]
 
 
 #: The local lm_eval tasks shipped in convert/eval_tasks/ (`convert.lm_tasks.LOCAL_TASKS`).
