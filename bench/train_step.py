@@ -7,6 +7,8 @@ seconds). Each is run as it is and converted in memory by `convert.to_mla`:
 
   original         transformers' model (SDPA attention, its default)
   absorbed         layout absorbed, exact
+  absorbed-factored  the same, its query and output maps as their factors, as
+                   `convert.factored_training(model)` trains it (convert/mla/lowrank.py)
   factored         layout factored, exact
   factored-kv0.25  layout factored, kv_cache_ratio 0.25, calibrated on `--calib-tokens` (2,048)
                    tokens of Pride and Prejudice
@@ -51,7 +53,7 @@ run; the models take turns in an order that rotates each repeat. The issue's goa
 
     python bench/train_step.py [--model smollm2|tiny] [--batch 2] [--window 256] [--steps 6]
                                [--repeats 3] [--prefill-tokens 2048] [--compile-layers 0]
-                               [--compile-models NAME...] [--threads N] [--device auto|cpu|cuda]
+                               [--models NAME...] [--compile-models NAME...] [--threads N] [--device auto|cpu|cuda]
                                [--out PATH]
 
 Writes bench/results/train_step_<device>.json (`--model tiny`: train_step_tiny_<device>.json).
@@ -76,6 +78,7 @@ import _common as C  # noqa: E402
 MODELS = {
     "original": None,
     "absorbed": dict(layout="absorbed"),
+    "absorbed-factored": dict(layout="absorbed", factored_training=True),
     "factored": dict(layout="factored"),
     "factored-kv0.25": dict(layout="factored", kv_cache_ratio=0.25),
     "absorbed-kv0.25": dict(layout="absorbed", kv_cache_ratio=0.25),
@@ -143,6 +146,9 @@ def main(argv=None) -> int:
     parser.add_argument("--compile-layers", type=int, default=0, help="decoder layers compiled (default 0: all)")
     parser.add_argument("--compile-repeats", type=int, default=1, help="compilations per model (default 1)")
     parser.add_argument(
+        "--models", nargs="+", choices=list(MODELS), help="models run (default all; the original always is)"
+    )
+    parser.add_argument(
         "--compile-models", nargs="*", choices=list(MODELS), help="models to compile (default all; none: no compile)"
     )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -163,6 +169,7 @@ def main(argv=None) -> int:
 
     import convert
     from convert.errors import ConvertError
+    from convert.mla.lowrank import factor_absorbed
     from convert.options import resolve_device
 
     try:
@@ -195,12 +202,18 @@ def main(argv=None) -> int:
     train_ids = torch.tensor(emma[args.prefill_tokens : need]).view(-1, args.window)  # (windows, window)
     models, convert_s = {}, {}
     for name, options in MODELS.items():
+        if args.models and name != "original" and name not in args.models:
+            continue
         t1 = time.perf_counter()
         if options is None:
             models[name] = original
         else:
+            options = dict(options)
+            factored = options.pop("factored_training", False)
             extra = dict(calib=calib, calib_tokens=args.calib_tokens) if options.get("kv_cache_ratio") else {}
             models[name] = convert.to_mla(original, **options, **extra)
+            if factored:  # as `convert.factored_training(model)` holds it, for the whole run
+                factor_absorbed(models[name])
         convert_s[name] = time.perf_counter() - t1
         print(f"{name}: ready in {convert_s[name]:.1f}s", flush=True)
     names = list(models)

@@ -8,6 +8,8 @@ The API (each function's own help() says more; README.md, "Python API"):
     convert_state_dict(state_dict, config, **options) -> MLAStateDict
     heal(model_or_path, texts, original=..., **options) -> HealResult (KL distillation)
     load_mla_model(path, device=None, dtype=None) -> MLAForCausalLM, a transformers causal LM
+    factored_training(model): a context in which an absorbed model trains its query and output
+        maps as their factors (about the source's step), multiplied back on exit
 
     options: the fields of ConvertOptions (help(convert.ConvertOptions)); heal's are those of
     convert.options.HealOptions. Bad input raises ConvertError (the CLI's exit 2), naming the
@@ -36,6 +38,7 @@ _HEAVY = {
     "convert_state_dict": "convert.api",
     "gqa2mla": "convert.api",
     "to_mla": "convert.api",
+    "factored_training": "convert.mla.lowrank",
     "MLAConfig": "convert.mla.causal_lm",
     "MLAForCausalLM": "convert.mla.causal_lm",
     "register": "convert.mla.causal_lm",

@@ -128,13 +128,14 @@ def _ignored(name: str, patterns: list[str]) -> bool:
 
 def test_every_example_output_is_ignored_by_git_and_the_readme_says_how_to_remove_it():
     """What the examples write in the checkout (-o DIRs, heal's <DIR>-healed and its -training logs,
-    the Trainer's output_dir, data/) is ignored by git, and the README's removal command covers it."""
+    the Trainer's output_dir, save_pretrained's, data/) is ignored by git, and the README's removal command covers it."""
     code = "\n".join(e.body for e in rx.examples() if e.kind in ("ci", "fast", "real"))
     written = set(re.findall(r"-o (\S+)", code)) | set(re.findall(r'gqa2mla\("[^"]+", "([^"]+)"', code))
     written |= set(re.findall(r'TrainingArguments\("([^"]+)"', code)) | {"data"}
+    written |= set(re.findall(r'save_pretrained\("([^"]+)"', code))
     healed = re.findall(r"convert heal (\S+)", code)
     written |= {f"{d}-healed" for d in healed} | {f"{d}-healed-training" for d in healed}
-    assert {"smollm2-kv50-healed-training", "tiny-mla-trainer", "smollm2-vllm"} <= written, written
+    assert {"smollm2-kv50-healed-training", "tiny-mla-trainer", "tiny-absorbed-trained", "smollm2-vllm"} <= written
     patterns = [line.strip() for line in (REPO / ".gitignore").read_text().splitlines() if line.strip()]
     assert not [d for d in written if not _ignored(d, patterns)], "not ignored by .gitignore"
     removal = re.search(r"`rm -rf ([^`]+)`", README).group(1).split()

@@ -295,6 +295,16 @@ def test_no_graph_break_in_training_forward(make, layout):
     assert not ours, ours
 
 
+def test_no_graph_break_in_factored_training(make):
+    """The same inside `convert.factored_training` (the absorbed maps as their factors)."""
+    model = make("absorbed").train()
+    with convert.factored_training(model) as counts:
+        assert counts["factored"] == 2 * len(model.model.layers)
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(model)(random_ids(2, 16), use_cache=False)
+    assert not _breaks_in_convert(explanation), _breaks_in_convert(explanation)
+
+
 @pytest.mark.parametrize("cache_kind", ["static", "dynamic"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_no_graph_break_in_prefill_or_decode(make, layout, cache_kind):
