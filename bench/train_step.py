@@ -37,6 +37,9 @@ What is measured, float32, on `--device` (auto: CUDA when there is one):
                    bytes allocated during the call above the weights (`AllocationPeak`: the
                    profiler's memory events on CPU, the allocator's peak on CUDA), the KV cache it
                    returns included.
+  training FLOPs   torch's FLOP counter over one training forward and backward of a batch: the
+                   matmuls (projections, MLP, LM head; it has no formula for SDPA on a CPU), the
+                   arithmetic a step's time varies around (deterministic, where the times are not).
   compile time     `torch.compile(model)` on a training step's forward and backward (train mode,
                    labels, use_cache=False) of one training batch: the first compiled forward
                    minus the eager forward, plus the first compiled backward (AOTAutograd compiles
@@ -53,7 +56,7 @@ run; the models take turns in an order that rotates each repeat. The issue's goa
 
     python bench/train_step.py [--model smollm2|tiny] [--batch 2] [--window 256] [--steps 6]
                                [--repeats 3] [--prefill-tokens 2048] [--compile-layers 0]
-                               [--models NAME...] [--compile-models NAME...] [--threads N] [--device auto|cpu|cuda]
+                               [--models NAME...] [--compile-models NAME...] [--threads N] [--keep-freed-memory] [--device auto|cpu|cuda]
                                [--out PATH]
 
 Writes bench/results/train_step_<device>.json (`--model tiny`: train_step_tiny_<device>.json).
@@ -111,6 +114,21 @@ def load(name: str, dtype):
     return model, lambda s: [b % vocab for b in s.encode("utf-8")]
 
 
+def keep_freed_memory() -> None:
+    """Have glibc's malloc serve every allocation from its heap and keep what is freed there.
+
+    By default an allocation above its threshold (the tied embedding's 113 MB gradient, the logits)
+    is a fresh mapping, and each step's first touch of it page-faults: in a profile of a Trainer step
+    of SmolLM2, `fill_` and `add` on such buffers took 2.6 s of a 4.7 s step, and 0.13 s of the next
+    one, which is what makes step times here swing by half between steps of the same model."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_max = -1, -4  # malloc.h; mallopt takes a C int
+    if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1)):
+        raise SystemExit("--keep-freed-memory: glibc's mallopt refused")  # no mapping per buffer, no trim
+
+
 def tensor_bytes(tensors) -> int:
     """Bytes of the storages behind `tensors`, each storage once."""
     seen = {}
@@ -146,6 +164,11 @@ def main(argv=None) -> int:
     parser.add_argument("--compile-layers", type=int, default=0, help="decoder layers compiled (default 0: all)")
     parser.add_argument("--compile-repeats", type=int, default=1, help="compilations per model (default 1)")
     parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="glibc keeps freed memory for reuse (mallopt): no page faults on each step's large buffers",
+    )
+    parser.add_argument(
         "--models", nargs="+", choices=list(MODELS), help="models run (default all; the original always is)"
     )
     parser.add_argument(
@@ -160,6 +183,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-load", type=float, default=1.0, help="recorded with the load average (default 1.0)")
     parser.add_argument("--wait", type=float, default=600.0, help="seconds to wait for a quiet machine (600)")
     args = parser.parse_args(argv)
+    if args.keep_freed_memory:
+        keep_freed_memory()
     if args.steps < 3:
         parser.error("--steps must be at least 3 (a warm-up step, a timed step, a measured step)")
 
@@ -240,6 +265,21 @@ def main(argv=None) -> int:
             del out, cache
             gc.collect()
             print(f"{name}: prefill peak {peak.bytes / 2**20:.1f} MiB (KV cache {kv / 2**20:.1f} MiB)", flush=True)
+
+    # -- the arithmetic of a training forward and backward: torch's FLOP counter over one batch (its
+    # matmuls: the projections, the MLP and the LM head; it has no formula for SDPA on a CPU)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    flops = {}
+    flop_ids = train_ids[: args.batch].to(device)
+    for name in names:
+        model = models[name].train()
+        with FlopCounterMode(display=False) as counter:
+            model(input_ids=flop_ids, labels=flop_ids, use_cache=False).loss.backward()
+        model.zero_grad(set_to_none=True)
+        model.eval()
+        flops[name] = counter.get_total_flops()
+        print(f"{name}: training forward and backward {flops[name] / 1e9:.2f} GFLOP (matmuls)", flush=True)
 
     # -- training steps under Trainer
     class StepProbe(TrainerCallback):
@@ -412,6 +452,8 @@ def main(argv=None) -> int:
             "parameters": parameters[name],
             "weights_bytes": weights[name],
             "convert_s": None if name == "original" else convert_s[name],
+            "train_matmul_flops": flops[name],
+            "train_matmul_flops_ratio": ratio(flops[name], flops["original"]),
             "prefill_peak_bytes": prefill[name]["peak_bytes"],
             "prefill_ratio": ratio(prefill[name]["peak_bytes"], prefill["original"]["peak_bytes"]),
             "prefill_kv_cache_bytes": prefill[name]["kv_cache_bytes"],
@@ -456,6 +498,10 @@ def main(argv=None) -> int:
                 part += f"CPU time {t['cpu_time_ratio']:.3f}×{verdict(t['cpu_time_ratio'], GOALS['step'])} / "
                 part += f"peak {t['peak_ratio']:.3f}×{verdict(t['peak_ratio'], GOALS['peak'])})"
             parts.append(part + ";")
+        part = f"training matmuls {row['train_matmul_flops'] / 1e9:.2f} GFLOP"
+        if name != "original":
+            part += f" ({row['train_matmul_flops_ratio']:.3f}×)"
+        parts.append(part + ";")
         part = f"prefill peak {row['prefill_peak_bytes'] / 2**20:.1f} MiB"
         if name != "original":
             part += f" ({row['prefill_ratio']:.3f}×{verdict(row['prefill_ratio'], GOALS['prefill'])})"
@@ -540,6 +586,8 @@ def main(argv=None) -> int:
             "compile_repeats": args.compile_repeats,
             "compile_models": [n for n in names if compiles[n]],
             "measures": {
+                "train_matmul_flops": "torch.utils.flop_counter over one training forward and backward of "
+                "a batch (labels, use_cache=False): its matmuls (projections, MLP, LM head); no SDPA on a CPU",
                 "step_s": "on_step_begin to on_step_end, first step of each run left out, last step of "
                 "the first repeat left out (measured for memory); wall time, and the process's CPU time "
                 "(time.process_time: with --threads 1 the work itself, whatever other processes run)",

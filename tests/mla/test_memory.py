@@ -118,7 +118,14 @@ def test_train_step_bench_runs_tiny(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     data = json.loads(out.read_text())
     models = data["summary"]
-    assert list(models) == ["original", "absorbed", "factored", "factored-kv0.25", "absorbed-kv0.25"]
+    assert list(models) == [
+        "original",
+        "absorbed",
+        "absorbed-factored",
+        "factored",
+        "factored-kv0.25",
+        "absorbed-kv0.25",
+    ]
     for name, row in models.items():
         assert row["prefill_peak_bytes"] > 0 and row["prefill_kv_cache_bytes"] > 0
         for checkpointing in ("off", "on"):
@@ -127,5 +134,7 @@ def test_train_step_bench_runs_tiny(tmp_path):
             if name != "original":
                 assert step["time_ratio"] > 0 and step["peak_ratio"] > 0
     assert models["factored-kv0.25"]["prefill_kv_cache_bytes"] < models["factored"]["prefill_kv_cache_bytes"]
+    # the factored form multiplies less than the dense absorbed maps (r = 2·d a head here)
+    assert 0 < models["absorbed-factored"]["train_matmul_flops"] < models["absorbed"]["train_matmul_flops"]
     assert models["original"]["compile_s"] > 0 and models["absorbed"]["compile_ratio"] > 0
     assert models["factored"]["compile_s"] is None and data["compile_models"] == ["original", "absorbed"]
