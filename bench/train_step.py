@@ -120,7 +120,7 @@ def keep_freed_memory() -> None:
     By default an allocation above its threshold (the tied embedding's 113 MB gradient, the logits)
     is a fresh mapping, and each step's first touch of it page-faults: in a profile of a Trainer step
     of SmolLM2, `fill_` and `add` on such buffers took 2.6 s of a 4.7 s step, and 0.13 s of the next
-    one, which is what makes step times here swing by half between steps of the same model."""
+    one: the largest swing seen between steps of one model here."""
     import ctypes
 
     libc = ctypes.CDLL("libc.so.6")

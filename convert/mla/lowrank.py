@@ -3,9 +3,10 @@
 At the exact rank the absorbed maps are G times the source's (docs/design.md, "Absorption"):
 `Ŵ^Q_h = (W^UK_h)ᵀ W^Q_h` is r_K × D a head against W^Q_h's d × D, and `Ŵ^O_h = W^O_h W^UV_h` is
 D × r_V against d. Each is of rank d, so a head's map is the product of two factors that cost,
-at r = G·d, about a third of its multiplications, its gradients and its optimizer state. Trained
-dense, a step takes 1.4–1.7 times the source's on a CPU (docs/healing.md, "Under transformers'
-Trainer"); trained as the product, near the source's.
+at r = G·d, about a third of its multiplications, its gradients and its optimizer state. SmolLM2
+under transformers' `Trainer` on a CPU (docs/healing.md, "Under transformers' Trainer"): trained
+dense, 1.30 times the source's matmul FLOPs a step and 1.27 times its peak memory; as the
+products, 1.05 and 1.04 times (the factored layout's), the step 1.07–1.16 times against 1.32–1.36.
 
 `FactoredQuery` and `FactoredOutput` are those products. Their `state_dict` holds the dense
 product under the dense module's names (`weight`, `bias`) and `load_state_dict` takes those
@@ -264,14 +265,15 @@ def factored_training(model: nn.Module):
             trainer.train()
         model.save_pretrained(path)              # the absorbed checkpoint
 
-    Inside, each absorbed `q_absorbed`/`o_absorbed` wider than the head dim (the exact rank, and
-    compressions that keep more than d dims a head) is a `FactoredQuery`/`FactoredOutput`; what
-    a step multiplies, and what it keeps for the backward, is then about the source model's
-    (docs/healing.md, "Under transformers' Trainer"). The maps trained stay of rank d a head, as
-    converted. `state_dict` and `save_pretrained` give the dense names and values inside too; a
-    `Trainer` resumed inside from its checkpoint factors them again, so the optimizer's moments of
-    the factors (saved in another basis of each head's map) are not their own: resume outside it,
-    or restart the optimizer. Yields `factor_absorbed`'s counts.
+    Inside, each absorbed `q_absorbed`/`o_absorbed` wider than the head dim and of rank d a head
+    (the exact rank's; not a compression's that its refinement fitted whole, nor one trained dense)
+    is a `FactoredQuery`/`FactoredOutput`, the same map; what a step multiplies, and what it keeps
+    for the backward, is then about the source model's. The maps trained stay of rank d a head, as
+    converted. `state_dict` and `save_pretrained` give the dense names and values inside too, so a
+    `Trainer` checkpoint is an absorbed checkpoint; a `Trainer` resumed inside from one factors its
+    maps again, in another basis than the one its saved AdamW moments were taken in: those moments
+    then do not fit their factors (restart the optimizer where that matters). Yields
+    `factor_absorbed`'s counts.
     """
     counts = factor_absorbed(model)
     try:
