@@ -100,6 +100,19 @@ def assert_same_as_transformers(model, converted, tol: float, ids: torch.Tensor 
     assert torch.equal(converted.generate(ids[:1, :8], **kwargs), model.generate(ids[:1, :8], **kwargs))
 
 
+class TokenDataset(torch.utils.data.Dataset):
+    """`n` random sequences of `length` token ids, each its own labels."""
+
+    def __init__(self, n: int = 8, length: int = 16, seed: int = 1):
+        self.ids = torch.randint(3, 128, (n, length), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
 def hf_model(model_type: str, seed: int = 0, dtype=torch.float32, random_biases: bool = True, **overrides):
     """`tiny_hf_model`, with random (non-zero) attention biases, ready to be a reference.
 

@@ -91,8 +91,7 @@ class FactoredQuery(nn.Module):
     def from_dense(cls, linear: nn.Linear, n_heads: int, head_dim: int) -> "FactoredQuery | None":
         """The factors of `linear` (H·r × D), or None where a head's rows are not of rank `head_dim`."""
         weight = linear.weight.detach()
-        heads = weight.view(n_heads, -1, weight.shape[1])  # (H, r, D)
-        factors = _head_factors(heads, head_dim, weight.dtype)
+        factors = _head_factors(cls._heads(weight, n_heads), head_dim, weight.dtype)
         if factors is None:
             return None
         up, inner = factors  # (H, r, d), (H, d, D)
@@ -103,9 +102,13 @@ class FactoredQuery(nn.Module):
         inner = self.inner.weight.view(self.n_heads, self.head_dim, -1)  # (H, d, D)
         return torch.matmul(self.up.float(), inner.float()).flatten(0, 1).to(self.up.dtype)  # rounded once
 
+    @staticmethod
+    def _heads(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+        """The dense map (H·r, D) as its heads' maps (H, r, D)."""
+        return weight.view(n_heads, -1, weight.shape[1])
+
     def _set_dense(self, weight: torch.Tensor) -> bool:
-        heads = weight.view(self.n_heads, self.rank, -1)  # (H, r, D)
-        factors = _head_factors(heads, self.head_dim, self.up.dtype)
+        factors = _head_factors(self._heads(weight, self.n_heads), self.head_dim, self.up.dtype)
         if factors is None:
             return False
         with torch.no_grad():
@@ -127,8 +130,9 @@ class FactoredOutput(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim, self.rank = down.shape
         self.down = nn.Parameter(down.contiguous())
-        self.outer = nn.Linear(outer.shape[1], outer.shape[0], bias=bias is not None, device=outer.device)
-        self.outer.to(outer.dtype)
+        self.outer = nn.Linear(
+            outer.shape[1], outer.shape[0], bias=bias is not None, device=outer.device, dtype=outer.dtype
+        )
         with torch.no_grad():
             self.outer.weight.copy_(outer)
             if bias is not None:
@@ -145,8 +149,7 @@ class FactoredOutput(nn.Module):
     def from_dense(cls, linear: nn.Linear, n_heads: int, head_dim: int) -> "FactoredOutput | None":
         """The factors of `linear` (D × H·r), or None where a head's columns are not of rank `head_dim`."""
         weight = linear.weight.detach()
-        heads = weight.view(weight.shape[0], n_heads, -1).transpose(0, 1)  # (H, D, r)
-        factors = _head_factors(heads, head_dim, weight.dtype)
+        factors = _head_factors(cls._heads(weight, n_heads), head_dim, weight.dtype)
         if factors is None:
             return None
         outer, down = factors  # (H, D, d), (H, d, r)
@@ -158,9 +161,13 @@ class FactoredOutput(nn.Module):
         dense = torch.matmul(outer.float(), self.down.float())  # (H, D, r), rounded once below
         return dense.transpose(0, 1).flatten(1).to(self.down.dtype)  # (D, H·r)
 
+    @staticmethod
+    def _heads(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+        """The dense map (D, H·r) as its heads' maps (H, D, r)."""
+        return weight.view(weight.shape[0], n_heads, -1).transpose(0, 1)
+
     def _set_dense(self, weight: torch.Tensor) -> bool:
-        heads = weight.view(weight.shape[0], self.n_heads, self.rank).transpose(0, 1)  # (H, D, r)
-        factors = _head_factors(heads, self.head_dim, self.down.dtype)
+        factors = _head_factors(self._heads(weight, self.n_heads), self.head_dim, self.down.dtype)
         if factors is None:
             return False
         with torch.no_grad():
@@ -244,8 +251,13 @@ def absorb_factors(model: nn.Module) -> int:
             if not isinstance(factored, FactoredQuery | FactoredOutput):
                 continue
             weight = factored.dense().detach()
-            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=factored.bias is not None, device=weight.device)
-            linear.to(weight.dtype)
+            linear = nn.Linear(
+                weight.shape[1],
+                weight.shape[0],
+                bias=factored.bias is not None,
+                device=weight.device,
+                dtype=weight.dtype,
+            )
             with torch.no_grad():
                 linear.weight.copy_(weight)
                 if factored.bias is not None:

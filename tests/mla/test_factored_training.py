@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 import convert
 from convert.mla.lowrank import FactoredOutput, FactoredQuery, absorb_factors, factor_absorbed
 
-from conftest import TINY_LLAMA, random_ids, rel_err
+from conftest import TINY_LLAMA, TokenDataset, random_ids, rel_err
 
 
 @pytest.fixture(scope="module")
@@ -122,17 +122,6 @@ def test_the_range_finder_factors_as_the_svd_does(original, monkeypatch, dtype):
     heads = torch.randn(4, 32, 64, dtype=torch.float64)  # of full rank 32
     assert lowrank._head_factors(heads, 16, dtype) is None
     assert lowrank._head_factors(heads[:, :, :16] @ torch.randn(4, 16, 64, dtype=torch.float64), 16, dtype)
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    def __init__(self, n: int = 8, length: int = 16):
-        self.ids = torch.randint(3, 128, (n, length), generator=torch.Generator().manual_seed(1))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def test_trainer_trains_the_factors_and_writes_an_absorbed_checkpoint(original, tmp_path):

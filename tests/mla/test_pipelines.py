@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 import convert
 from convert.mla.causal_lm import MLAForCausalLM
 
-from conftest import TINY_LLAMA, hf_model, random_ids, rel_err
+from conftest import TINY_LLAMA, TokenDataset, hf_model, random_ids, rel_err
 
 VARIANTS = ["absorbed", "factored", "compressed", "disk"]
 EXACT = ["absorbed", "factored", "disk"]
@@ -93,19 +93,6 @@ def _assert_attention_moved(model, before: dict[str, torch.Tensor]) -> None:
     now = dict(model.named_parameters())
     still = [name for name, p in before.items() if torch.equal(now[name].detach().float(), p.float())]
     assert not still, f"attention weights not trained: {still}"
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    """`n` random sequences of `length` token ids, each its own labels."""
-
-    def __init__(self, n: int = 8, length: int = 16, seed: int = 1):
-        self.ids = torch.randint(3, 128, (n, length), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def _count_calls(module) -> list:
