@@ -13,6 +13,9 @@ seconds). Each is run as it is and converted in memory by `convert.to_mla`:
   factored-kv0.25  layout factored, kv_cache_ratio 0.25, calibrated on `--calib-tokens` (2,048)
                    tokens of Pride and Prejudice
   absorbed-kv0.25  layout absorbed, kv_cache_ratio 0.25, the same calibration
+  factored-kv0.5, absorbed-kv0.5, absorbed-kv0.75
+                   the same at 50% and 75% of the cache (the absorbed ones' query and output maps
+                   are refined whole, wider than d a head: trained dense, `factored_training` keeps them)
 
 What is measured, float32, on `--device` (auto: CUDA when there is one):
 
@@ -85,6 +88,9 @@ MODELS = {
     "factored": dict(layout="factored"),
     "factored-kv0.25": dict(layout="factored", kv_cache_ratio=0.25),
     "absorbed-kv0.25": dict(layout="absorbed", kv_cache_ratio=0.25),
+    "factored-kv0.5": dict(layout="factored", kv_cache_ratio=0.5),
+    "absorbed-kv0.5": dict(layout="absorbed", kv_cache_ratio=0.5),
+    "absorbed-kv0.75": dict(layout="absorbed", kv_cache_ratio=0.75),
 }
 GOALS = {"prefill": 1.0, "step": 1.1, "peak": 1.1, "compile": 1.5}
 CHECKPOINTING = ("off", "on")

@@ -125,6 +125,9 @@ def test_train_step_bench_runs_tiny(tmp_path):
         "factored",
         "factored-kv0.25",
         "absorbed-kv0.25",
+        "factored-kv0.5",
+        "absorbed-kv0.5",
+        "absorbed-kv0.75",
     ]
     for name, row in models.items():
         assert row["prefill_peak_bytes"] > 0 and row["prefill_kv_cache_bytes"] > 0
