@@ -15,7 +15,7 @@ seconds). Each is run as it is and converted in memory by `convert.to_mla`:
   absorbed-kv0.25  layout absorbed, kv_cache_ratio 0.25, the same calibration
   factored-kv0.5, absorbed-kv0.5, absorbed-kv0.75
                    the same at 50% and 75% of the cache (the absorbed ones' query and output maps
-                   are refined whole, wider than d a head: trained dense, `factored_training` keeps them)
+                   are refined whole, of rank above d a head: `factored_training` leaves them dense)
 
 What is measured, float32, on `--device` (auto: CUDA when there is one):
 
