@@ -4,7 +4,10 @@ stderr line with its exit code. `convert.cli` declares the commands with them.""
 
 import errno
 import logging
+import os
 import sys
+import tempfile
+import traceback
 from functools import wraps
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from convert.options import GROUPS, cli_fields, field_default, suggest
 _USAGE = ("2", "bad input or usage: one line naming the file/field and the fix; nothing written")
 _INTERRUPTED = ("130", "interrupted (Ctrl-C); a previous output is left intact")
 _IO = ("3", "environment or I/O: disk full, permission, read-only, name too long, output locked")
+_INTERNAL = ("4", "internal error (a bug in convert): one line, the traceback saved to a file; nothing written")
 
 
 def _exit_table(*rows: tuple[str, str]) -> str:
@@ -28,6 +32,7 @@ EXIT_CODES = _exit_table(
     ("1", "verification FAIL"),
     _USAGE,
     _IO,
+    _INTERNAL,
     _INTERRUPTED,
 )
 COMMAND_EXIT_CODES = {
@@ -36,6 +41,7 @@ COMMAND_EXIT_CODES = {
         ("1", "verification FAIL (the output and its report are kept)"),
         _USAGE,
         _IO,
+        _INTERNAL,
         _INTERRUPTED,
     ),
     "verify": _exit_table(
@@ -43,13 +49,17 @@ COMMAND_EXIT_CODES = {
         ("1", "FAIL: one stderr line per failed check (and the report, with --report-dir)"),
         ("2", "bad input or usage: one line naming the file/field and the fix"),
         ("3", "environment or I/O: unreadable input, or --report-dir not writable"),
+        _INTERNAL,
         ("130", "interrupted (Ctrl-C)"),
     ),
-    "heal": _exit_table(("0", "healed: the new directory and its report are written"), _USAGE, _IO, _INTERRUPTED),
+    "heal": _exit_table(
+        ("0", "healed: the new directory and its report are written"), _USAGE, _IO, _INTERNAL, _INTERRUPTED
+    ),
     "eval": _exit_table(
         ("0", "done: the side-by-side table printed (and --output written)"),
         ("2", "bad input or usage: one line naming the directory, task or option and the fix"),
         ("3", "environment or I/O: lm_eval not installed (pip install 'convert[eval]'), --output not writable"),
+        _INTERNAL,
         ("130", "interrupted (Ctrl-C)"),
     ),
 }
@@ -135,6 +145,10 @@ def exits_cleanly(fn):
             fail("interrupted; nothing was written (a previous output is intact)", 130)
         except OSError as err:
             fail(os_error_line(err), 3)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise  # click's own usage errors and exits keep their codes
+        except Exception as err:  # a bug: it must never leave with a verification FAIL's code
+            fail(internal_error_line(err), 4)
 
     return wrapper
 
@@ -142,6 +156,19 @@ def exits_cleanly(fn):
 def fail(message: str, code: int):
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
+
+
+def internal_error_line(err: Exception) -> str:
+    """One line for a bug: what was raised and where, and the file that keeps its traceback."""
+    frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+    where = f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
+    fd, path = tempfile.mkstemp(prefix="convert-traceback-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(traceback.format_exception(err)))
+    return (
+        f"internal error (a bug in convert, not in your input): {type(err).__name__}: {err}{where}; "
+        f"the traceback is in {path}: please report it with the command you ran"
+    )
 
 
 def os_error_line(err: OSError) -> str:

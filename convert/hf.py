@@ -4,6 +4,7 @@ Everything else in the package works on plain config dicts and state dicts.
 """
 
 import contextlib
+import copy
 import functools
 import importlib
 import inspect
@@ -19,7 +20,7 @@ from transformers.initialization import no_init_weights
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.utils import is_accelerate_available, logging
 
-from convert.arch import ARCHS
+from convert.arch import ARCHS, tied_embeddings
 from convert.errors import ConvertError
 from convert.io import Checkpoint
 from convert.layouts import module_layout
@@ -48,7 +49,7 @@ def hf_config(config: dict, dtype: torch.dtype | None = None, attention: str = "
     4-D mask MLAAttention takes too; "sdpa" keeps float64 in the softmax (eager
     does it in float32), which a float64 reference needs.
     """
-    fields = source_fields(config)
+    fields = copy.deepcopy(source_fields(config))  # transformers edits nested dicts (rope_scaling) in place
     hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
     hf._attn_implementation = attention
     # Mixture-of-experts MLPs (Mixtral) as a plain loop over experts: transformers' grouped
@@ -241,7 +242,7 @@ def meta_state_dict(config: dict) -> dict[str, torch.Tensor]:
             continue
         for layer in range(config["num_hidden_layers"]):
             state[re.sub(r"\.layers\.0\.", f".layers.{layer}.", name, count=1)] = tensor
-    if config.get("tie_word_embeddings"):
+    if tied_embeddings(config):
         state.pop("lm_head.weight", None)
     return state
 

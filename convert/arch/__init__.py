@@ -5,7 +5,7 @@ one `ArchSpec` entry. `resolve_attention` turns a config (and CLI flags) plus
 the tensor shapes into an `AttentionSpec`, refusing what it cannot convert.
 """
 
-from convert.arch.registry import ARCHS, QK_NORM_MODEL_TYPES, ArchSpec, find_arch
+from convert.arch.registry import ARCHS, QK_NORM_MODEL_TYPES, ArchSpec, find_arch, tied_embeddings
 from convert.arch.spec import AttentionSpec, GeometryFlags, resolve_attention
 
 __all__ = [
@@ -16,4 +16,5 @@ __all__ = [
     "GeometryFlags",
     "find_arch",
     "resolve_attention",
+    "tied_embeddings",
 ]

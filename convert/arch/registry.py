@@ -84,6 +84,8 @@ class ArchSpec:
     dims of each head (config.json `partial_rotary_factor`); the rest are plain NoPE dims.
     post_attention_norm: the decoder normalises the attention's output (`post_attention_layernorm`)
     before adding it to the residual stream (Gemma 2/3, OLMo 2); elsewhere that norm is the MLP's input's.
+    tied_by_default: transformers ties the embeddings when config.json has no `tie_word_embeddings`
+    (Gemma 2/3, whose published configs leave the key out).
     """
 
     name: str
@@ -106,6 +108,7 @@ class ArchSpec:
     fused_qkv: str | None = None
     partial_rotary: bool = False
     post_attention_norm: bool = False
+    tied_by_default: bool = False
 
     @property
     def layer_pattern(self) -> str:
@@ -193,7 +196,10 @@ ARCHS: dict[str, ArchSpec] = {
     # Gemma 2: scores scaled by query_pre_attn_scalar^-1/2 and soft-capped, norms before and after
     # attention and MLP, alternating sliding-window layers (transformers' masks), tied embeddings.
     "gemma2": dataclasses.replace(
-        _hf("gemma2", "Gemma2Attention", _LLAMA_BIAS, _GEMMA_NORMS), gemma_scores=True, post_attention_norm=True
+        _hf("gemma2", "Gemma2Attention", _LLAMA_BIAS, _GEMMA_NORMS),
+        gemma_scores=True,
+        post_attention_norm=True,
+        tied_by_default=True,
     ),
     # Gemma 3 (text): Gemma 2's layout, per-head q/k norms scaling by (1 + weight), one RoPE base for
     # sliding-window layers and another for global ones (the model hands each layer its own cos/sin).
@@ -203,6 +209,7 @@ ARCHS: dict[str, ArchSpec] = {
         gemma_scores=True,
         norm_unit_offset=True,
         post_attention_norm=True,
+        tied_by_default=True,
     ),
     # Mixtral: Mistral's attention, a mixture-of-experts MLP (router + experts) passed through.
     "mixtral": dataclasses.replace(_hf("mixtral", "MixtralAttention", _MISTRAL_BIAS), tensors=_mixtral_tensors()),
@@ -264,6 +271,16 @@ def refuse_converted(model_type: str | None, config: dict | None) -> None:
         f"config.json model_type={model_type!r} already has Multi-head Latent Attention; there is nothing to "
         "convert: point at a GQA checkpoint (Llama, Qwen2, ...)"
     )
+
+
+def tied_embeddings(config: dict) -> bool:
+    """Whether the model's lm_head is its embedding: config.json's `tie_word_embeddings`, or where
+    the key is absent the family's default as transformers applies it (`ArchSpec.tied_by_default`)."""
+    if "tie_word_embeddings" in config:
+        return bool(config["tie_word_embeddings"])
+    model_type = (config.get("mla") or {}).get("source_model_type") or config.get("model_type")  # converted or not
+    arch = next((a for a in ARCHS.values() if model_type in a.model_types), None)
+    return arch is not None and arch.tied_by_default
 
 
 def find_arch(model_type: str | None, requested: str | None, config: dict | None = None) -> ArchSpec:

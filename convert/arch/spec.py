@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from convert.arch.registry import HEAD_MAPS, ArchSpec, TensorRule, find_arch
+from convert.arch.registry import HEAD_MAPS, ArchSpec, TensorRule, find_arch, tied_embeddings
 from convert.arch.validate import check_config
 from convert.errors import ConvertError
 
@@ -324,7 +324,7 @@ def _presence(rule: TensorRule, config: dict) -> tuple[bool, bool]:
     if rule.when in ("always", "never"):
         return rule.when == "always", rule.when == "always"
     if rule.when == "untied":
-        return not config.get("tie_word_embeddings", False), True
+        return not tied_embeddings(config), True
     return bool(config.get(rule.when, False)), bool(config.get(rule.when, False))
 
 

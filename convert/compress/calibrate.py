@@ -96,7 +96,7 @@ def fisher_calibrate(model, token_ids: torch.Tensor, window: int = 1024, progres
     """
     rows = windows(token_ids, min(window, token_ids.shape[-1]))  # (B, L)
     layers = model.model.layers
-    acc = [_accumulator(layer.self_attn.k_proj.in_features) for layer in layers]
+    acc = [_accumulator(layer.self_attn.o_proj.out_features) for layer in layers]
     hooks = [h for layer, a in zip(layers, acc) for h in _fisher_hooks(layer.self_attn, a)]
     # only activations' gradients are wanted: no weight gradients (a model's worth of memory, and
     # half the backward's work); they flow from the embeddings, which require one
@@ -147,7 +147,7 @@ def fisher_calibrate_streamed(
     acc = []
     for layer in progress(reversed(range(n_layers))):
         decoder = stream.decoder(layer).requires_grad_(False)
-        acc.append(_accumulator(decoder.self_attn.k_proj.in_features))
+        acc.append(_accumulator(decoder.self_attn.o_proj.out_features))  # D
         hooks = _fisher_hooks(decoder.self_attn, acc[-1])
         x = stored.pop().requires_grad_(True)
         try:
@@ -212,6 +212,13 @@ def _fisher_hooks(attention: torch.nn.Module, acc: dict) -> list:
             _hook(attention.k_proj, acc, None, inputs=True),
             _normed_key_hook(attention.k_norm, acc, attention.k_proj.out_features),
         ]
+    elif hasattr(attention, "qkv_proj"):  # fused (Phi-3): output rows [q (H·d) | k (G·d) | v (G·d)]
+        queries = attention.config.num_attention_heads * attention.head_dim
+        keys = attention.config.num_key_value_heads * attention.head_dim
+        return [
+            _hook(attention.qkv_proj, acc, "key", inputs=True, rows=slice(queries, queries + keys)),
+            _hook(attention.qkv_proj, acc, "value", inputs=False, rows=slice(queries + keys, None)),
+        ]
     else:
         keys = [_hook(attention.k_proj, acc, "key", inputs=True)]
     return keys + [_hook(attention.v_proj, acc, "value", inputs=False)]
@@ -255,9 +262,9 @@ def summed_loss(model, embeds: torch.Tensor, ids: torch.Tensor, chunk: int | Non
     return total
 
 
-def _hook(linear: torch.nn.Module, acc: dict, name: str | None, inputs: bool):
+def _hook(linear: torch.nn.Module, acc: dict, name: str | None, inputs: bool, rows: slice = slice(None)):
     """Accumulate the input moments (once per layer) and E[g gᵀ] of the output's gradient
-    (under `name`; None: no gradient)."""
+    (under `name`; None: no gradient), on the output's `rows` (a fused projection's part)."""
 
     def forward_hook(module, args, output):
         if inputs:
@@ -269,7 +276,8 @@ def _hook(linear: torch.nn.Module, acc: dict, name: str | None, inputs: bool):
             return
 
         def grad_hook(grad):
-            g = grad.detach().reshape(-1, grad.shape[-1]).double()  # (B·L, G·d)
+            g = grad.detach()[..., rows]
+            g = g.reshape(-1, g.shape[-1]).double()  # (B·L, G·d)
             acc[name] = acc[name] + g.T @ g
 
         output.register_hook(grad_hook)

@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, Pret
 from transformers.initialization import no_init_weights
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
+from convert.arch import tied_embeddings
 from convert.hf import empty_weights, family_causal_lm, layer_rotary, reference_attention
 from convert.mla.attention import MLAAttention, build_mla_attention
 from convert.mla.config import MLASection
@@ -49,6 +50,8 @@ class MLAConfig(PretrainedConfig):
         # these fields): held out of PretrainedConfig's legacy-RoPE conversion, which fails here
         # for llama3/yarn scaling (it reads max_position_embeddings before setting it).
         rope_scaling = kwargs.pop("rope_scaling", None)
+        # a published config may leave the key out (Gemma's): the source family's default, as its class has
+        kwargs.setdefault("tie_word_embeddings", tied_embeddings({**kwargs, "mla": mla or {}}))
         super().__init__(**kwargs)
         if rope_scaling is not None and getattr(self, "rope_parameters", None) is None:
             self.rope_parameters = rope_scaling  # as the deprecated `rope_scaling` setter does, without its warning

@@ -6,7 +6,7 @@ each refusal is a `ConvertError` (exit 2): one line naming the file, the field o
 
 from pathlib import Path
 
-from convert.arch import ARCHS, ArchSpec, AttentionSpec
+from convert.arch import ARCHS, ArchSpec, AttentionSpec, tied_embeddings
 from convert.arch.spec import count_layers
 from convert.arch.validate import check_config, check_field, positive, refuse, string
 from convert.errors import ConvertError
@@ -228,7 +228,7 @@ def _check_other_tensors(config: dict, checkpoint: Checkpoint, attention: tuple[
     """Every tensor outside the attention, against the model transformers builds from config.json."""
     model = {n: tuple(t.shape) for n, t in _meta_state_dict(config, where).items() if not n.startswith(attention)}
     actual = {n: checkpoint.shape(n) for n in checkpoint.keys() if not n.startswith(attention)}
-    tied = {"lm_head.weight"} if config.get("tie_word_embeddings") else set()
+    tied = {"lm_head.weight"} if tied_embeddings(config) else set()
     _compare_tensors(checkpoint, model, actual, f"the model of {where}", tied)
 
 

@@ -353,3 +353,30 @@ def test_python_m_convert_help():
     assert "gqa2mla" in result.stdout and "verify" in result.stdout
     sub = _run("gqa2mla", "--help")
     assert sub.exit_code == 0 and "--max-shard-size" in sub.output
+
+
+# ------------------------------------------------------------------ a bug
+
+
+def test_a_bug_exits_4_never_a_fails_1_and_writes_nothing(tmp_path, src, monkeypatch):
+    """An exception the package did not mean to raise (here: in verification, after the weights
+    are written to the temporary sibling) exits 4 with one line naming it and the file that keeps
+    its traceback, never 1 (a pipeline would read a FAIL), and no output is put in place."""
+    import convert.api
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'Qwen2Config' object has no attribute 'head_dim'")
+
+    monkeypatch.setattr(convert.api, "verify", broken)
+    out = tmp_path / "out"
+    before = _listing(tmp_path)
+    result = _run("gqa2mla", src, "-o", out)
+    assert result.exit_code == 4, (result.exit_code, result.output)
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]  # beside the progress line
+    assert line.startswith("error: internal error") and "AttributeError" in line and "head_dim" in line
+    saved = Path(line.split("the traceback is in ")[1].split(":")[0])
+    try:
+        assert "Traceback" in saved.read_text() and "broken" in saved.read_text()
+    finally:
+        saved.unlink()
+    assert _listing(tmp_path) == before

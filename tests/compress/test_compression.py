@@ -204,6 +204,54 @@ def test_streamed_fisher_pass_equals_the_whole_model_pass(family, tmp_path):
             assert rel(ours.normed_key_moment, theirs.normed_key_moment) < 1e-6
 
 
+def test_fused_qkv_fisher_pass_is_the_split_projections_one(tmp_path):
+    """Phi-3's fused qkv_proj (rows [q | k | v]) gives the key and value gradients' moments of the
+    same model written as a Llama with separate q/k/v and gate/up projections (full RoPE): whole
+    and streamed. The fused projection has no k_proj to hook (it crashed, exit 4, before)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from convert.compress import fisher_calibrate
+    from convert.compress.calibrate import CalibrationRun, fisher_calibrate_streamed
+    from convert.io import open_checkpoint
+
+    phi3 = hf_model("phi3", partial_rotary_factor=1.0, dtype=torch.float64)
+    c = phi3.config
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            **{k: getattr(c, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")},
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            rms_norm_eps=c.rms_norm_eps,
+            rope_theta=c.rope_parameters["rope_theta"],
+            max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=False,
+        )
+    ).to(torch.float64)
+    q, k = c.num_attention_heads * phi3.model.layers[0].self_attn.head_dim, c.num_key_value_heads * 16
+    split = {}
+    for name, tensor in phi3.state_dict().items():
+        if "qkv_proj" in name:
+            for proj, part in zip("qkv", tensor.split([q, k, k])):
+                split[name.replace("qkv_proj", f"{proj}_proj")] = part
+        elif "gate_up_proj" in name:
+            gate, up = tensor.chunk(2)
+            split[name.replace("gate_up_proj", "gate_proj")], split[name.replace("gate_up_proj", "up_proj")] = gate, up
+        else:
+            split[name] = tensor
+    llama.load_state_dict(split)
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(2))
+    assert torch.allclose(phi3(ids).logits, llama(ids).logits, atol=1e-10)  # the same model
+    rel = lambda a, b: float((a - b).norm() / b.norm())
+    phi3.save_pretrained(tmp_path)
+    with open_checkpoint(tmp_path) as checkpoint:
+        streamed = fisher_calibrate_streamed(checkpoint, phi3.config.to_dict(), ids, 2, CalibrationRun(window=32))
+    for fused in (fisher_calibrate(phi3, ids, window=32), streamed):
+        for ours, theirs in zip(fused, fisher_calibrate(llama, ids, window=32), strict=True):
+            assert rel(ours.moment, theirs.moment) < 1e-6  # the streamed pass runs in float32
+            # eager attention's softmax runs in float32: the gradients agree to its precision
+            assert rel(ours.key_fisher, theirs.key_fisher) < 1e-5 and rel(ours.value_fisher, theirs.value_fisher) < 1e-5
+
+
 def test_the_fisher_statistics_read_the_first_fisher_tokens_and_the_streams_read_them_all():
     model = hf_model("llama", num_hidden_layers=2)
     calib = torch.randint(0, 128, (1, 2048), generator=torch.Generator().manual_seed(3))  # two windows of 1,024

@@ -85,18 +85,18 @@ def rope_frequencies(hf_src, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]
     float64, as transformers computes them (the source's rotary embedding; DeepseekV3's on the
     export's `rope_parameters`, slot s = pair j // f)."""
 
-    def init(config) -> torch.Tensor:
+    def init(config, dim: int) -> torch.Tensor:
+        # dim given, not read from the config: published Qwen2/Mistral configs have no head_dim
         rope_type = config.rope_parameters.get("rope_type", "default")
         if rope_type == "default":
-            dim = getattr(config, "qk_rope_head_dim", None) or config.head_dim
             return rope_inv_freq(float(config.rope_parameters["rope_theta"]), dim)
         return ROPE_INIT_FUNCTIONS[rope_type](config)[0].double()
 
-    source = init(hf_src)  # (d/2,)
+    source = init(hf_src, head_dim)  # (d/2,)
     export = DeepseekV3Config(
         qk_rope_head_dim=ROPE_DIM,
         rope_parameters=export_rope_parameters(hf_src),
         max_position_embeddings=hf_src.max_position_embeddings,
     )
-    slots = init(export)  # (32,)
+    slots = init(export, ROPE_DIM)  # (32,)
     return source, slots.repeat_interleave(fold(head_dim))
