@@ -2,10 +2,14 @@
 """Peak memory of `convert gqa2mla` WITH verification, against the goal and the plan's estimate.
 
 Cases:
-  smollm2   the cached SmolLM2-135M (float32), `--e2e auto` (the default: whole models when both
-            fit in the memory free, as here), `auto@2` (auto on a machine with 2 GiB free:
-            streamed, then greedy generation from one whole model at a time), `--e2e streamed`
-            and `--e2e whole`
+  smollm2   the cached SmolLM2-135M (float32): the default (`--e2e auto` under the default memory cap:
+            streamed, then greedy generation from one whole model at a time), `auto#0.9GiB`
+            (--max-memory 0.9GiB: greedy generation streamed too), `auto#4GiB` (whole models),
+            `auto@2#64GiB` (a machine with 2 GiB free, no cap that binds), `--e2e streamed` and `whole`
+  qwen05b   a synthetic checkpoint of Qwen2.5-0.5B's published shape in float32 (random weights,
+            1.98 GB): the default, --max-memory 2.5GiB and 8GiB, `--e2e streamed`
+  qwen15b   the real Qwen2.5-Coder-1.5B-Instruct in bfloat16 (3.1 GB, fixtures/realdata.py): the
+            default, --max-memory 6GiB, `--e2e streamed`
   llama8b   a synthetic checkpoint of Llama-3-8B's shape (random bfloat16 weights, written to
             disk as sharded safetensors); `--layers N` writes only N decoder layers so it runs
             in minutes (`--layers 32`: the whole model, 16 GB on disk, kept as `llama8b_full`);
@@ -17,15 +21,16 @@ Each run is a fresh subprocess running `python -m convert gqa2mla SRC -o OUT --f
 anonymous and file-backed RSS (RssAnon, RssFile: mmap'd checkpoint pages) every 5 ms. The
 process baseline is a child that only imports torch, transformers and convert.
 
-Goal: peak ≤ 1 GiB + 2 × (largest single layer as stored, embeddings included).
+Goals: the default run's peak ≤ 1.5 GB (SmolLM2) and ≤ 3.5 GB (the 0.5B), and under the cap the report
+states (issue 69); streamed, peak ≤ 1 GiB + 2 × (largest single layer as stored, embeddings included).
 Estimate: baseline + max(conversion tensors (plan.conversion_memory_bytes), streamed
 verification tensors (verify.memory.streamed_verify_memory_bytes), and under auto one whole
 model for greedy generation (verify.memory.one_model_memory_bytes) when it fits in memory, or
 both whole models when they do); goal: within 25% of measured. A mode `auto@G` runs `--e2e auto`
-in a child that sees G GiB free (convert.verify.available_memory_bytes replaced): the decision
+in a child that sees G GiB free (convert.verify.memory.available_memory_bytes replaced): the decision
 a machine with that much free memory makes, reproducible on this one.
 
-    python bench/memory.py [--layers 2] [--tokens 64] [--cases smollm2,llama8b]
+    python bench/memory.py [--layers 2] [--tokens 64] [--cases smollm2,qwen05b,qwen15b,llama8b]
     python bench/memory.py --cases llama8b --layers 32 --workdir /somewhere/with/50GB
 """
 
@@ -73,6 +78,32 @@ LLAMA3_8B = {
     "torch_dtype": "bfloat16",
 }
 
+#: Qwen2.5-0.5B-Instruct's published config (q/k/v biases, tied embeddings, no head_dim), in float32 as the
+#: issue's user held it: 494M parameters, 1.98 GB.
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 24,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 21,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "use_sliding_window": False,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "torch_dtype": "float32",
+}
+#: The issue's goals for the default run (peak resident memory, bytes).
+DEFAULT_GOALS = {"smollm2": 1.5e9, "qwen05b": 3.5e9}
+
 CHILD = r"""
 import os, sys, threading, time, json
 peak = {"anon": 0, "file": 0}
@@ -99,8 +130,8 @@ code = 0
 try:
     import torch, transformers, convert
     if os.environ.get("MEMORY_FREE"):  # the free memory `--e2e auto` sizes the run by
-        import convert.verify
-        convert.verify.available_memory_bytes = lambda device: int(os.environ["MEMORY_FREE"])
+        import convert.verify.memory
+        convert.verify.memory.available_memory_bytes = lambda device: int(os.environ["MEMORY_FREE"])
     if sys.argv[1:]:
         from convert.cli import main
         main(sys.argv[1:], prog_name="convert", standalone_mode=True)
@@ -130,8 +161,8 @@ def run_child(args: list[str], free: int | None = None) -> dict:
 
 
 def write_synthetic(directory: Path, layers: int, seed: int = 0, device="cpu", base: dict = LLAMA3_8B) -> dict:
-    """Llama-3-8B's shape (or `base`'s) with `layers` decoder layers, random bfloat16 made on `device`,
-    one shard per layer."""
+    """Llama-3-8B's shape (or `base`'s) with `layers` decoder layers, random weights in `base`'s
+    torch_dtype made on `device`, one shard per layer."""
     import torch
     from safetensors.torch import save_file
 
@@ -145,6 +176,7 @@ def write_synthetic(directory: Path, layers: int, seed: int = 0, device="cpu", b
         key = name.split(".layers.")[1].split(".")[0] if ".layers." in name else name
         groups.setdefault(key, []).append(name)
     generator = torch.Generator(device=device).manual_seed(seed)
+    dtype = getattr(torch, config.get("torch_dtype", "bfloat16"))
     weight_map, files = {}, sorted(groups)
     for i, key in enumerate(files):
         filename = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
@@ -152,14 +184,14 @@ def write_synthetic(directory: Path, layers: int, seed: int = 0, device="cpu", b
         for name in groups[key]:
             shape = state[name].shape
             if name.endswith("norm.weight"):
-                tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+                tensors[name] = torch.ones(shape, dtype=dtype)
             else:
                 noise = torch.randn(shape, generator=generator, device=device)
-                tensors[name] = (noise * 0.02).to(torch.bfloat16).cpu()
+                tensors[name] = (noise * 0.02).to(dtype).cpu()
             weight_map[name] = filename
         save_file(tensors, str(directory / filename), metadata={"format": "pt"})
         del tensors
-    total = sum(state[n].numel() * 2 for n in state)
+    total = sum(state[n].numel() * dtype.itemsize for n in state)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
     (directory / "config.json").write_text(json.dumps(config, indent=2))
@@ -219,25 +251,35 @@ def whole_estimate(config: dict, baseline: int, tokens: int, run_dtype: str = "a
     return baseline + models + whole_model_activation_bytes(tokens, config["vocab_size"])
 
 
-def auto_decision(config: dict, tokens: int, free: int, run_dtype: str = "auto") -> dict:
-    """What `--e2e auto` does with `free` bytes free, as the verification decides it
-    (convert.verify._whole_models_fit, _one_model_fits): "whole" when both whole models in the run's
-    dtype and their logits fit in `free` less the margin; else "streamed", with `greedy_bytes` (one
-    whole model in greedy generation's dtype, the larger of the two) when that fits, else None."""
+def auto_decision(
+    config: dict, tokens: int, free: int, baseline: int, cap: int | None, run_dtype: str = "auto"
+) -> dict:
+    """What `--e2e auto` does with `free` bytes free under `cap` (--max-memory; None: the default, the
+    baseline + the checkpoint + DEFAULT_CAP_EXTRA), the process at `baseline`, as the verification decides
+    it (convert.verify._whole_models_fit, _one_model_fits, MemoryCap.room): "whole" when both whole models
+    in the run's dtype and their logits fit in the room; else "streamed", with `greedy_bytes` (one whole
+    model in greedy generation's dtype, the larger of the two) when that fits, else greedy generation
+    streamed too (`greedy_bytes` None)."""
     from convert.options import VerifyOptions
     from convert.plan import plan_for_config
-    from convert.verify.memory import free_margin_bytes, one_model_memory_bytes, whole_model_activation_bytes
+    from convert.verify.memory import (
+        DEFAULT_CAP_EXTRA,
+        free_margin_bytes,
+        one_model_memory_bytes,
+        whole_model_activation_bytes,
+    )
 
     plan = plan_for_config(config)
     converted = sum(math.prod(shape) * _itemsize(dtype) for shape, dtype in plan.output_tensors().values())
-    room = free - free_margin_bytes(free)
+    cap = cap if cap is not None else baseline + plan.checkpoint_bytes + DEFAULT_CAP_EXTRA
+    room = min(free - free_margin_bytes(free), cap - baseline)
     run = _run_dtype(plan, run_dtype)
     both = sum(one_model_memory_bytes(n, plan.dtype, run) for n in (plan.checkpoint_bytes, converted))
     if both + whole_model_activation_bytes(tokens, config["vocab_size"]) <= room:
-        return {"mode": "whole", "greedy_bytes": None}
+        return {"mode": "whole", "greedy_bytes": None, "cap_bytes": cap}
     greedy_dtype = VerifyOptions(dtype=run_dtype).greedy_dtype(plan.dtype)
     model = one_model_memory_bytes(max(plan.checkpoint_bytes, converted), plan.dtype, greedy_dtype)
-    return {"mode": "streamed", "greedy_bytes": model if model <= room else None}
+    return {"mode": "streamed", "greedy_bytes": model if model <= room else None, "cap_bytes": cap}
 
 
 def _free_bytes() -> int:
@@ -256,38 +298,51 @@ def _itemsize(dtype) -> int:
 
 
 def case(name: str, src: Path, config: dict, tokens: int, modes: list[str], baseline: int, text: Path | None) -> dict:
-    """modes: `--e2e` modes, optionally `:dtype` (the verification dtype; default auto) and `@G`
-    (auto: run as on a machine with G GiB free)."""
+    """modes: `--e2e` modes, optionally `:dtype` (the verification dtype; default auto), `@G` (auto: run
+    as on a machine with G GiB free) and `#CAP` (--max-memory CAP; auto without it: the default cap)."""
+    from convert.sizes import parse_size
+
     s = sizes(config)
     goal = GiB + 2 * s["largest"]
     rows = {}
     for run in modes:
-        spec, _, gib = run.partition("@")
+        run_spec, _, cap_text = run.partition("#")
+        spec, _, gib = run_spec.partition("@")
         mode, _, dtype = spec.partition(":")
         dtype = dtype or "auto"
         free = int(float(gib) * GiB) if gib else None
+        cap = parse_size(cap_text) if cap_text else None
         est = estimate(config, baseline, tokens, dtype)
-        if mode == "auto":  # whole if both fit, else streamed, then greedy generation if one model fits
-            est |= auto_decision(config, tokens, free if free is not None else _free_bytes(), dtype)
+        if mode == "auto":  # whole if both fit, else streamed, then greedy generation (one whole model, or streamed)
+            est |= auto_decision(config, tokens, free if free is not None else _free_bytes(), baseline, cap, dtype)
         with tempfile.TemporaryDirectory(dir=src.parent) as tmp:
             args = ["gqa2mla", str(src), "-o", str(Path(tmp) / "out"), "--force", "-q"]
             args += ["--e2e", mode, "--tokens", str(tokens), "--dtype", dtype] + (["--text", str(text)] if text else [])
+            args += ["--max-memory", cap_text] if cap_text else []
             result = run_child(args, free)
             report = Path(tmp) / "out" / "verification.json"
             if report.is_file():
                 data = json.loads(report.read_text())
+                e2e = data["end_to_end"] or {}
                 result["verdict"] = data["verdict"]
                 result["timings"] = data["timings"]
-                result["greedy_skipped"] = (data["end_to_end"] or {}).get("greedy_skipped")
-                result["e2e_mode"] = (data["end_to_end"] or {}).get("mode")
+                result["memory"] = data.get("memory")
+                result["greedy_skipped"] = e2e.get("greedy_skipped")
+                result["greedy_how"] = e2e.get("greedy_how")
+                result["greedy_match"] = e2e.get("greedy_match")
+                result["e2e_mode"] = e2e.get("mode")
                 result["failures"] = data["failures"]
-                e2e = data["end_to_end"] or {}
                 result["figures"] = {
                     k: e2e.get(k) for k in ("logits_rel_error", "kl_mean", "top1_agreement", "ppl_ratio")
                 }
                 result["max_layer_rel_error"] = max((layer["rel_error"] for layer in data["layers"]), default=None)
         result["goal_bytes"] = goal
         result["meets_goal"] = result["vmhwm"] <= goal
+        if run == "auto" and name in DEFAULT_GOALS:  # issue 69: the default run's bound
+            result["default_goal_bytes"] = DEFAULT_GOALS[name]
+            result["meets_default_goal"] = result["vmhwm"] <= DEFAULT_GOALS[name]
+        cap_bytes = (result.get("memory") or {}).get("cap_bytes")
+        result["under_cap"] = None if cap_bytes is None else result["vmhwm"] <= cap_bytes
         result["estimate"] = est
         if mode == "whole" or est.get("mode") == "whole":
             result["estimate_bytes"] = whole_estimate(config, baseline, tokens, dtype)
@@ -298,10 +353,18 @@ def case(name: str, src: Path, config: dict, tokens: int, modes: list[str], base
         result["estimate_error"] = result["estimate_bytes"] / result["vmhwm"] - 1
         rows[run] = result
         seen = f" ({gib} GiB free)" if gib else ""
+        capped = f" --max-memory {cap_text}" if cap_text else ""
+        under = (
+            ""
+            if cap_bytes is None
+            else f", cap {cap_bytes / GiB:.2f} GiB ({'under' if result['under_cap'] else 'OVER'})"
+        )
         print(
-            f"{name} --e2e {mode} --dtype {dtype}{seen}: peak {result['vmhwm'] / GiB:.2f} GiB (anon {result['peak_anon'] / GiB:.2f}, "
-            f"file {result['peak_file'] / GiB:.2f}), goal {goal / GiB:.2f} GiB, estimate {result['estimate_bytes'] / GiB:.2f} "
-            f"GiB ({result['estimate_error']:+.0%}), {result['wall_s']:.0f} s, exit {result['exit']}",
+            f"{name} --e2e {mode} --dtype {dtype}{capped}{seen}: peak {result['vmhwm'] / GiB:.2f} GiB "
+            f"({result['vmhwm'] / 1e9:.2f} GB; anon {result['peak_anon'] / GiB:.2f}, file {result['peak_file'] / GiB:.2f})"
+            f"{under}, e2e {result.get('e2e_mode')}, greedy {result.get('greedy_how')}, "
+            f"{result.get('verdict')}, estimate {result['estimate_bytes'] / GiB:.2f} GiB ({result['estimate_error']:+.0%}), "
+            f"{result['wall_s']:.0f} s, exit {result['exit']}",
             flush=True,
         )
     return {"layers": config["num_hidden_layers"], "tokens": tokens, "sizes": s, "runs": rows}
@@ -311,7 +374,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of the synthetic 8B-shape checkpoint")
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--cases", default="smollm2,llama8b")
+    parser.add_argument("--cases", default="smollm2,qwen05b,qwen15b,llama8b")
     parser.add_argument("--workdir", type=Path, default=None, help="where the synthetic checkpoint is written")
     args = parser.parse_args()
     cases = args.cases.split(",")
@@ -326,8 +389,24 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             link = Path(tmp) / "smollm2"
             link.symlink_to(src)
-            modes = ["auto", "auto@2", "streamed", "whole"]
+            modes = ["auto", "auto#0.9GiB", "auto#4GiB", "auto@2#64GiB", "streamed", "whole"]
             result["smollm2"] = case("smollm2", link, config, 256, modes, baseline, text)
+    if "qwen05b" in cases:
+        with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+            src = Path(tmp) / "qwen2.5-0.5b-shape"
+            config = write_synthetic(src, QWEN25_05B["num_hidden_layers"], base=QWEN25_05B)
+            modes = ["auto", "auto#2.5GiB", "auto#8GiB", "streamed"]
+            result["qwen05b"] = case("qwen05b", src, config, 256, modes, baseline, None)
+    if "qwen15b" in cases:  # the real Qwen2.5-Coder-1.5B-Instruct, bfloat16 as published (fixtures/realdata.py)
+        import realdata
+
+        src = realdata.qwen25_coder_dir()
+        config = json.loads((src / "config.json").read_text())
+        with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+            link = Path(tmp) / "qwen2.5-coder-1.5b"
+            link.symlink_to(src)
+            modes = ["auto", "auto#6GiB", "streamed"]
+            result["qwen15b"] = case("qwen15b", link, config, 256, modes, baseline, _common.austen_file("emma"))
     if "llama8b" in cases:
         with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
             src = Path(tmp) / "llama3-8b-shape"
@@ -340,7 +419,7 @@ def main() -> None:
                 src,
                 config,
                 args.tokens,
-                ["auto"] if key == "llama8b_full" else ["auto@4", "streamed", "streamed:float64"],
+                ["auto"] if key == "llama8b_full" else ["auto", "auto@4#64GiB", "streamed", "streamed:float64"],
                 baseline,
                 None,
             )
@@ -366,7 +445,7 @@ def main() -> None:
             **{
                 k: v
                 for k, v in previous.items()
-                if k in ("smollm2", "llama8b", "llama8b_full", "llama8b_full_estimate")
+                if k in ("smollm2", "qwen05b", "qwen15b", "llama8b", "llama8b_full", "llama8b_full_estimate")
             },
             **result,
         }

@@ -5,6 +5,7 @@ mla_sd = convert.convert_state_dict(model.state_dict(), model.config)
 mla_model = convert.to_mla(model)
 """
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,15 +14,16 @@ import torch
 
 from convert.errors import ConvertError
 from convert.heap import release_freed_memory
-from convert.io import Checkpoint, CheckpointWriter, default_output, open_checkpoint, output_lock, parse_size
+from convert.io import Checkpoint, CheckpointWriter, default_output, open_checkpoint, output_lock
 from convert.layouts import attention_view
 from convert.mla.format import AUX_FILES
 from convert.options import ConvertOptions, as_path
-from convert.plan import ConversionPlan
+from convert.plan import ConversionPlan, make_plan, resolve_spec
+from convert.sizes import parse_size
 from convert.targets import Build, check_options, target
 from convert.targets.mla import MLAStateDict
 from convert.transform import LayerInfo
-from convert.verify import verify, write_report
+from convert.verify import memory_run, plan_memory_cap, verify, write_report
 
 
 @dataclass
@@ -114,8 +116,10 @@ def gqa2mla(src, output=None, **options) -> ConversionResult:
     src = as_path("src", src)
     output = as_path("output", output) if output is not None else default_output(src)
     calib = opts.calib if isinstance(opts.calib, (str, Path)) else None
-    with open_checkpoint(src) as stored, output_lock(output, [src, opts.text, calib], opts.force):
+    with memory_run(), open_checkpoint(src) as stored, output_lock(output, [src, opts.text, calib], opts.force):
         source = attention_view(stored, stored.config)  # Phi-3: q/k/v split out of qkv_proj
+        if opts.max_memory is not None and opts.target == "mla":  # refused before calibration and writing
+            plan_memory_cap(_exact_plan(source, opts), stored.config or {}, opts)
         build = target(opts.target).build(source, opts)  # every refusal first, then calibration
         opts = build.options
         timings["plan_s"] = time.perf_counter() - start
@@ -127,6 +131,13 @@ def gqa2mla(src, output=None, **options) -> ConversionResult:
             final, report = _finish(w, source, src, config, opts, timings, t0)
     timings["total_s"] = time.perf_counter() - start
     return ConversionResult(final, config, build.layers, build.sizes(), timings, report, build.notes(), build.plan)
+
+
+def _exact_plan(source, opts: ConvertOptions) -> ConversionPlan:
+    """The exact conversion's plan (a compression's tensors are no larger): what --max-memory is
+    checked against before any calibration or writing."""
+    exact = dataclasses.replace(opts, kv_cache_ratio=None, rank=None)
+    return make_plan(source, resolve_spec(source, source.config, exact), exact)
 
 
 def _write(source: Checkpoint, build: Build, writer: CheckpointWriter) -> None:

@@ -151,11 +151,13 @@ def reference_attention(config: dict) -> str:
     return "eager" if config.get("attn_logit_softcapping") is not None else "sdpa"
 
 
-def load_original(original: Checkpoint, config: dict, device, dtype):
-    """The source model as transformers builds it, with the original weights (`reference_attention`)."""
+def load_original(original: Checkpoint, config: dict, device, dtype, mapped: bool = True):
+    """The source model as transformers builds it, with the original weights (`reference_attention`).
+    mapped=False reads every tensor into the model's own memory (`fill_strict`): its pages leave the
+    process with the model, where mapped ones stay resident while `original` is open."""
     model = build_causal_lm(config, dtype, attention=reference_attention(config), device=device)
     original = module_layout(original, config)  # Mixtral: the stored experts stacked as the modules hold them
-    fill_strict(model, original, getattr(original, "path", "the original weights"))
+    fill_strict(model, original, getattr(original, "path", "the original weights"), mapped)
     return model.eval()
 
 
@@ -177,19 +179,20 @@ def load_strict(model, state: dict, where) -> None:
         model.tie_weights()
 
 
-def fill_strict(model, checkpoint, where) -> None:
+def fill_strict(model, checkpoint, where, mapped: bool = True) -> None:
     """`load_strict` from a checkpoint, a tensor at a time, never a second copy of the model (a state
     dict) in memory. On the CPU a tensor stored in the model's dtype is not copied at all: the model
     takes the file's own tensor (`Checkpoint.get`: a view of its copy-on-write mapping, as transformers'
     `from_pretrained` loads), read at first use; any other is read straight into the model's tensor
-    (`read_into`: to another dtype or device, a chunk at a time; from a state dict, a copy)."""
+    (`read_into`: to another dtype or device, a chunk at a time; from a state dict, a copy). mapped=False
+    reads every tensor so."""
     targets = model.state_dict(keep_vars=True)
     names = set(checkpoint.keys())
     tied = _check_names(model, set(targets) - names, names - set(targets), where)
     with torch.no_grad():
         for name in sorted(names):
             target = targets[name]
-            if _mappable(checkpoint, name, target):
+            if mapped and _mappable(checkpoint, name, target):
                 target.data = checkpoint.get(name)  # the parameter keeps its identity (and ties)
             else:
                 checkpoint.read_into(name, target)

@@ -27,11 +27,12 @@ from convert.healing.report import healing_warnings, render_markdown
 from convert.healing.state import claim, remove_checkpoints
 from convert.healing.train import CHECK_TOKENS, hold_out, mixed_precision, train
 from convert.hf import load_original
-from convert.io import SAFETENSORS_DTYPES, CheckpointWriter, check_output, open_checkpoint, output_lock, parse_size
+from convert.io import SAFETENSORS_DTYPES, CheckpointWriter, check_output, open_checkpoint, output_lock
 from convert.mla.model import read_mla_config, weight_files
 from convert.optim import relative_groups, relative_rates, warmup_cosine
 from convert.options import HealOptions, as_path
 from convert.progress import phase
+from convert.sizes import parse_size
 from convert.targets import load_output
 from convert.verify import is_export
 from convert.verify.report import original_named_by

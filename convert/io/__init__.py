@@ -20,7 +20,6 @@ _HOME = {
     "open_checkpoint": "reader",
     "TensorSource": "tensor_source",
     "CheckpointWriter": "writer",
-    "parse_size": "shards",
 }
 
 __all__ = sorted(_HOME)

@@ -1,4 +1,4 @@
-"""Shard planning for the writer: sizes (`parse_size`), where each planned tensor goes, and each shard's header.
+"""Shard planning for the writer: where each planned tensor goes, and each shard's header.
 
 The whole layout is fixed before the first byte is written, so tensors can then arrive in any order.
 """
@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import struct
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
 from typing import Any
 
 import torch
@@ -18,41 +16,6 @@ import torch
 from convert.errors import ConvertError
 from convert.io.header import TORCH_TO_SAFETENSORS, dtype_itemsize
 from convert.io.locate import SINGLE_NAME
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str | int) -> int:
-    """Parse a byte size: ``"5GB"`` -> 5*10**9, ``"2GiB"`` -> 2*2**30, ``"1000"`` -> 1000."""
-    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
-        return text
-    match = _SIZE_RE.match(str(text))
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ConvertError(f"--max-shard-size: cannot parse {str(text)!r}; use bytes or a unit like 5GB, 500MB, 2GiB")
-    try:
-        size = int(Decimal(match.group(1)) * _UNITS[unit])
-    except InvalidOperation:  # pragma: no cover - the regex admits only decimals
-        size = 0
-    if size <= 0:
-        raise ConvertError(f"--max-shard-size: {str(text)!r} is not a positive size; use e.g. 5GB, 500MB, 2GiB")
-    return size
 
 
 @dataclass

@@ -20,11 +20,11 @@ from convert.errors import ConvertError
 from convert.io.atomic import environment_errors, fsync_dir, make_sibling, move_into_place, signals_deferred
 from convert.io.locate import INDEX_NAME
 from convert.io.output import MANIFEST_NAME, check_output, finish_manifest, output_lock, start_manifest
-from convert.io.shards import Slot, assign_shards, check_metadata, header_bytes, parse_size, plan_slots
+from convert.io.shards import Slot, assign_shards, check_metadata, header_bytes, plan_slots
 from convert.io.write_behind import QUEUE_BYTES, Job, Span, WriteBehind
 
 # Importers of `convert.io.writer` find these here too.
-__all__ = ["QUEUE_BYTES", "CheckpointWriter", "parse_size"]
+__all__ = ["QUEUE_BYTES", "CheckpointWriter"]
 
 log = logging.getLogger("convert")
 

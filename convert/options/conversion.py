@@ -25,6 +25,7 @@ from convert.options.fields import (
     resolve_device,
     torch_dtypes,
 )
+from convert.sizes import parse_size
 
 if TYPE_CHECKING:
     import torch
@@ -61,14 +62,26 @@ class VerifyOptions(FromKwargs):
         group="verification",
         kind=float,
     )
+    max_memory: int | str | None = option(
+        None,
+        "Bound on the run's resident memory, verification included (e.g. 8GiB, 1500MB). The run plans within "
+        "it (both whole models at once when they fit, else one decoder layer of each at a time, greedy "
+        "generation from one whole model when it fits, else streamed too) and is refused up front, naming the "
+        "smallest cap that works, when it cannot verify the model within it. Default: what the process held "
+        "when the run began + the original checkpoint's size + 0.5 GiB (or what streamed verification needs, "
+        "if more), never more than the memory free. The report states the cap and the peak measured.",
+        group="verification",
+        kind=str,
+    )
     e2e: str = option(
         "auto",
         "End-to-end check. streamed = one decoder layer of each model at a time, logits in vocabulary chunks "
-        "(memory: about two layers, whatever the model's size); auto = whole when the memory free on the "
-        "device (host, container or GPU; a fifth, at least 1 GiB, kept free) holds both whole models; else "
-        "streamed, then greedy generation from each whole model in turn (one in memory at a time, float32 "
-        "unless --dtype says otherwise) when one fits, else skipped with the reason; whole = both whole "
-        "models in memory at once (the same figures and greedy generation, in the run's dtype).",
+        "(memory: about two layers, whatever the model's size); auto = whole when the memory cap (--max-memory) "
+        "and the memory free on the device (host, container or GPU; a fifth, at least 1 GiB, kept free) hold "
+        "both whole models; else streamed, then greedy generation from each whole model in turn (one in memory "
+        "at a time, float32 unless --dtype says otherwise) when one fits, else streamed as well (each new token "
+        "one pass over both checkpoints); whole = both whole models in memory at once (the same figures and "
+        "greedy generation, in the run's dtype).",
         group="advanced",
         choices=E2E_MODES,
     )
@@ -86,6 +99,13 @@ class VerifyOptions(FromKwargs):
             raise ConvertError(f"--tokens {self.tokens} must be at least 2")
         if self.max_ppl_ratio is not None and not self.max_ppl_ratio > 0:
             raise ConvertError(f"--max-ppl-ratio {self.max_ppl_ratio} must be a positive ratio (e.g. 1.2)")
+        if self.max_memory is not None:
+            parse_size(self.max_memory, "--max-memory")
+
+    @property
+    def max_memory_bytes(self) -> int | None:
+        """--max-memory in bytes (None: the default cap, which depends on the checkpoint)."""
+        return None if self.max_memory is None else parse_size(self.max_memory, "--max-memory")
 
     def run_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         """The verification run's dtype for a checkpoint stored in `checkpoint_dtype` (resolves auto)."""

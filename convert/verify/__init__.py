@@ -5,6 +5,7 @@
 Markdown and a PNG. docs/design.md, "Verification", is the contract.
 """
 
+import dataclasses
 import hashlib
 import json
 import platform
@@ -26,23 +27,29 @@ from convert.mla.config import MLASection
 from convert.mla.model import load_mla_model, read_mla_config
 from convert.options import VerifyOptions, dtype_name
 from convert.progress import phase, progress
+from convert.sizes import gib
 from convert.targets import TARGETS, load_output, output_target, written_by
 from convert.text import model_tokenizer, text_token_ids
 from convert.verify.decision import check, coarsest, decide, thresholds
-from convert.verify.e2e import end_to_end, greedy_in_turn, streamed_end_to_end
+from convert.verify.e2e import GREEDY_NEW, GREEDY_PROMPT, end_to_end, greedy_in_turn, streamed_end_to_end
 from convert.verify.layers import check_hf_layers, check_seed_layers
 from convert.verify.memory import (
-    available_memory_bytes,
-    free_margin_bytes,
+    MemoryCap,
+    memory_cap,
+    memory_run,
     one_model_memory_bytes,
+    process_peak_bytes,
+    stored_layers,
+    streamed_verify_memory_bytes,
     whole_model_activation_bytes,
     whole_model_memory_bytes,
 )
 from convert.verify.report import render_markdown, write_report
 from convert.verify.run import VerifyRun
+from convert.verify.streamed import greedy_streamed
 from convert.verify.twin import twin_view
 
-__all__ = ["render_markdown", "verify", "verify_paths", "write_report"]
+__all__ = ["memory_run", "plan_memory_cap", "render_markdown", "verify", "verify_paths", "write_report"]
 
 
 def _sha256(path: Path) -> str:
@@ -114,7 +121,14 @@ def verify_paths(original, converted, **options) -> dict:
 
 
 def verify_with(original, converted, opts: VerifyOptions) -> dict:
-    """`verify_paths` with its options already parsed (what a conversion hands on)."""
+    """`verify_paths` with its options already parsed (what a conversion hands on), within its memory
+    cap (`convert.verify.memory.memory_cap`: --max-memory, or the default counted from the resident
+    memory when the run began)."""
+    with memory_run():
+        return _verify_with(original, converted, opts)
+
+
+def _verify_with(original, converted, opts: VerifyOptions) -> dict:
     if is_export(converted):
         return _verify_export(original, converted, opts)
     text, tokens, max_ppl_ratio = opts.text, opts.tokens, opts.max_ppl_ratio
@@ -134,6 +148,7 @@ def verify_with(original, converted, opts: VerifyOptions) -> dict:
         runnable = mla.source_architecture != "seed"
         with timings("tokens"):
             ids = _token_ids(text, orig, config, tokens, runnable)
+        cap = _memory_cap(opts, run, tokens if ids is None else ids.shape[-1])  # refused here, before any check
         bar = lambda it: progress(it, "verifying", "layer", opts.progress)
         with timings("layers"):
             layers = (
@@ -145,29 +160,36 @@ def verify_with(original, converted, opts: VerifyOptions) -> dict:
         e2e, skipped = None, "the source architecture has no transformers causal LM" if not runnable else None
         if runnable:
             with timings("end_to_end"), phase("end-to-end check", opts.progress):
-                e2e = _end_to_end(opts, run, converted, ids)
+                e2e = _end_to_end(opts, run, converted, ids, cap)
         with timings("checksums"), phase("checksums of the inputs", opts.progress):
             inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(text, ids)}
-    return _report(opts, run_dtype, limits, _Findings(layers, e2e, skipped, inputs, timings.close(), (copied,)))
+    found = _Findings(layers, e2e, skipped, inputs, timings.close(), (copied,))
+    return _report(opts, run_dtype, limits, found, cap)
 
 
-def _end_to_end(opts: VerifyOptions, run: VerifyRun, converted, ids) -> dict:
-    """The end-to-end figures: both whole models at once (--e2e whole, or auto when the free memory
-    holds them, less a margin), else streamed a decoder layer at a time, with (auto) greedy generation
-    from each whole model in turn when one fits; the twin's as the `floor` when there is one.
-    converted: the converted directory (greedy generation loads it whole)."""
+def _end_to_end(opts: VerifyOptions, run: VerifyRun, converted, ids, cap: MemoryCap) -> dict:
+    """The end-to-end figures: both whole models at once (--e2e whole, or auto when the room under the
+    memory cap and the free memory, less a margin, holds them), else streamed a decoder layer at a
+    time, with (auto) greedy generation from each whole model in turn when one fits, else streamed
+    as well; the twin's as the `floor` when there is one. converted: the converted directory (greedy
+    generation loads it whole)."""
     orig, conv, config, device = run.original, run.converted, run.config, run.device
     tokenizer = model_tokenizer(orig.root)
-    if opts.e2e == "whole" or (opts.e2e == "auto" and _whole_models_fit(run, ids)):
+    if opts.e2e == "whole" or (opts.e2e == "auto" and _whole_models_fit(run, ids, cap)):
         load = lambda device, dtype: load_mla_model(converted, device=device, dtype=dtype)
         return end_to_end(run, load, ids, tokenizer)
     greedy, why = None, "greedy generation needs a whole model with a KV cache, and --e2e streamed keeps to one layer"
     if opts.e2e == "auto":
         greedy_dtype = opts.greedy_dtype(run.ckpt_dtype)
-        fits, need = _one_model_fits(orig, conv, device, greedy_dtype)
+        fits, need = _one_model_fits(orig, conv, device, greedy_dtype, cap)
         if fits:
             greedy = greedy_in_turn(orig, converted, config, ids, device, greedy_dtype)
-        why = f"greedy generation needs one whole model with a KV cache in {dtype_name(greedy_dtype)}, and {need}"
+        else:  # the same tokens, one decoder layer in memory at a time: a pass over the checkpoints per token
+            single = dataclasses.replace(run, dtype=greedy_dtype, twin=None)
+            eos = config.get("eos_token_id")
+            eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+            ref, got = greedy_streamed(single, ids.to(device), GREEDY_PROMPT, GREEDY_NEW, eos)
+            greedy = (ref, got, greedy_dtype, f"streamed: one whole model does not fit ({need})")
     return streamed_end_to_end(run, ids, greedy, why, tokenizer)
 
 
@@ -242,7 +264,9 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
             ids = _token_ids(opts.text, orig, config, opts.tokens, True)
         ckpt_dtype = conv.dtype(conv.keys()[0])
         dtype = opts.run_dtype(ckpt_dtype)
-        fits, why = _fits(orig, device, dtype)
+        needed = whole_model_memory_bytes(orig.total_bytes(), orig.dtype(orig.keys()[0]), dtype)
+        cap = memory_cap(opts.max_memory_bytes, orig.total_bytes(), needed, "verifying an export (both whole models)")
+        fits, why = _within(needed, device, cap)
         if not fits:
             raise ConvertError(
                 f"verifying an export loads both whole models, which do not fit ({why}); use --no-verify"
@@ -256,7 +280,7 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
             e2e = end_to_end(run, load, ids, model_tokenizer(orig.root))
         with timings("checksums"), phase("checksums of the inputs", opts.progress):
             inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(opts.text, ids)}
-    report = _report(opts, dtype, limits, _Findings([], e2e, None, inputs, timings.close()))
+    report = _report(opts, dtype, limits, _Findings([], e2e, None, inputs, timings.close()), cap)
     section = output_target(conv.config or {}).report(export, e2e, ckpt_dtype)
     if section is not None:
         report["target"] = section
@@ -269,7 +293,7 @@ def load_export(path, device="cpu", dtype=None):
     return load_output(path, device, dtype)
 
 
-def _report(opts: VerifyOptions, run_dtype, limits: dict, found: _Findings) -> dict:
+def _report(opts: VerifyOptions, run_dtype, limits: dict, found: _Findings, cap: MemoryCap) -> dict:
     """The report dict (schema in convert.verify.report); run_dtype: the run's (`--dtype auto` resolved)."""
     decision = decide(found.layers, found.e2e, limits, found.checks)
     device = opts.torch_device
@@ -290,7 +314,9 @@ def _report(opts: VerifyOptions, run_dtype, limits: dict, found: _Findings) -> d
             "dtype": opts.dtype,
             "max_ppl_ratio": opts.max_ppl_ratio,
             "e2e": opts.e2e,
+            "max_memory": opts.max_memory_bytes,
         },
+        "memory": cap.to_report(process_peak_bytes()),
         "versions": _versions(),
         "device": {
             "type": device.type,
@@ -301,40 +327,62 @@ def _report(opts: VerifyOptions, run_dtype, limits: dict, found: _Findings) -> d
     }
 
 
-def _one_model_fits(orig, conv, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether the larger of the two whole models, in `dtype`, fits in the memory free where it runs
-    (`_within_free`), and if not, why."""
+def _one_model_fits(orig, conv, device: torch.device, dtype: torch.dtype, cap: MemoryCap) -> tuple[bool, str]:
+    """Whether the larger of the two whole models, in `dtype`, fits in the room left (`_within`), and if not, why."""
     needed = max(one_model_memory_bytes(c.total_bytes(), c.dtype(c.keys()[0]), dtype) for c in (orig, conv))
-    return _within_free(needed, device)
+    return _within(needed, device, cap)
 
 
-def _whole_models_fit(run: VerifyRun, ids) -> bool:
-    """Whether both whole models in the run's dtype and the whole-model run's logits fit in the memory
-    free where they run (`_within_free`): then --e2e auto verifies them whole, greedy generation included."""
+def _whole_models_bytes(run: VerifyRun, tokens: int) -> int:
+    """Both whole models in the run's dtype and the whole-model run's logits."""
     checkpoints = (run.original, run.converted)
     models = sum(one_model_memory_bytes(c.total_bytes(), c.dtype(c.keys()[0]), run.dtype) for c in checkpoints)
-    activations = whole_model_activation_bytes(ids.shape[-1], run.config["vocab_size"])
-    return _within_free(models + activations, run.device)[0]
+    return models + whole_model_activation_bytes(tokens, run.config["vocab_size"])
 
 
-def _within_free(needed: int, device: torch.device) -> tuple[bool, str]:
-    """Whether `needed` bytes fit in the memory free on `device` (the host's, within a container's
-    limit, or the GPU's) less the margin `free_margin_bytes` keeps unused; the figures, when not."""
-    free = available_memory_bytes(device)
-    margin = free_margin_bytes(free)
-    gib = lambda n: f"{n / 2**30:.2f} GiB"
-    return needed <= free - margin, (
-        f"it needs ~{gib(needed)}, more than the {gib(max(free - margin, 0))} usable of the {gib(free)} "
-        f"free on {device} ({gib(margin)} kept free)"
-    )
+def _whole_models_fit(run: VerifyRun, ids, cap: MemoryCap) -> bool:
+    """Whether both whole models and their logits fit in the room left (`_within`): then --e2e auto
+    verifies them whole, greedy generation included."""
+    return _within(_whole_models_bytes(run, ids.shape[-1]), run.device, cap)[0]
 
 
-def _fits(orig, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether both whole models fit where they will run, by the plan's estimate."""
-    ckpt_dtype = orig.dtype(orig.keys()[0])
-    needed = whole_model_memory_bytes(orig.total_bytes(), ckpt_dtype, dtype)
-    available = available_memory_bytes(device)
-    return needed < available, f"needs ~{needed / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available"
+def _within(needed: int, device: torch.device, cap: MemoryCap) -> tuple[bool, str]:
+    """Whether `needed` bytes fit in the room left on `device` (`MemoryCap.room`: under the cap, and
+    the memory free less a margin); the figures, when not."""
+    room, words = cap.room(device)
+    return needed <= room, f"it needs ~{gib(needed)}, more than {words}"
+
+
+def plan_memory_cap(plan, config: dict, opts) -> MemoryCap:
+    """A conversion's memory cap, decided before anything is written (refused, exit 2, where --max-memory
+    cannot hold it): the larger of the streamed conversion (`ConversionPlan.conversion_memory_bytes`)
+    and, unless --no-verify, its verification streamed one decoder layer at a time. plan: the native
+    target's `ConversionPlan`; config: the source's config.json."""
+    needed, what = plan.conversion_memory_bytes(), "this conversion"
+    if opts.verify:
+        stored = stored_layers(plan.source_tensors, plan.output_tensors(), plan.spec.n_layers)
+        verify_bytes = streamed_verify_memory_bytes(stored, config, opts.run_dtype(plan.dtype), opts.tokens)
+        if verify_bytes > needed:
+            needed, what = verify_bytes, "this conversion's verification streamed one decoder layer at a time"
+    return memory_cap(opts.max_memory_bytes, plan.checkpoint_bytes, needed, what)
+
+
+def _memory_cap(opts: VerifyOptions, run: VerifyRun, tokens: int) -> MemoryCap:
+    """The run's memory cap (`convert.verify.memory.memory_cap`), refused when it cannot hold the least
+    this verification needs: one decoder layer of each model at a time (streamed), or with --e2e
+    whole both whole models."""
+    orig, conv = run.original, run.converted
+    if opts.e2e == "whole":
+        needed, what = _whole_models_bytes(run, tokens), "--e2e whole (both whole models at once)"
+    else:
+        shapes = lambda c: {n: (tuple(c.shape(n)), c.dtype(n)) for n in c.keys()}
+        stored = stored_layers(shapes(orig), shapes(conv), run.mla.n_layers)
+        what = "the verification of this model streamed one decoder layer at a time"
+        if run.mla.source_architecture == "seed":  # the per-layer check alone: a layer's modules in the run's dtype
+            needed = stored.layer_bytes * run.dtype.itemsize // stored.dtype.itemsize + stored.tensor_bytes
+        else:
+            needed = streamed_verify_memory_bytes(stored, run.config, run.dtype, tokens)
+    return memory_cap(opts.max_memory_bytes, orig.total_bytes(), needed, what)
 
 
 def _token_ids(text, orig, config: dict, tokens: int, runnable: bool) -> torch.Tensor | None:

@@ -22,7 +22,9 @@ def _nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def _greedy(model, ids: torch.Tensor) -> list[int]:
     prompt = ids[:, :GREEDY_PROMPT]
-    out = model.generate(prompt, max_new_tokens=GREEDY_NEW, do_sample=False, pad_token_id=0)
+    # the prompt is unpadded: without the mask, generate would take its pad token's (id 0) occurrences for padding
+    mask = torch.ones_like(prompt)
+    out = model.generate(prompt, attention_mask=mask, max_new_tokens=GREEDY_NEW, do_sample=False, pad_token_id=0)
     return out[0, prompt.shape[1] :].tolist()
 
 
@@ -108,13 +110,16 @@ def end_to_end(run: VerifyRun, load_converted, ids: torch.Tensor, tokenizer=None
     return result
 
 
-def greedy_fields(greedy_ref, greedy_got, ids: torch.Tensor, tokenizer, dtype: torch.dtype | None) -> dict:
+def greedy_fields(
+    greedy_ref, greedy_got, ids: torch.Tensor, tokenizer, dtype: torch.dtype | None, how: str = "whole models"
+) -> dict:
     """The report's greedy entries from the two token lists (all None when greedy generation did
-    not run) and the dtype it ran in."""
+    not run), the dtype it ran in and how (whole models, or streamed and why)."""
     ran = greedy_ref is not None
     decode = (lambda tokens: tokenizer.decode(tokens)) if ran and tokenizer is not None else (lambda tokens: None)
     return {
         "greedy_dtype": dtype_name(dtype) if ran else None,
+        "greedy_how": how if ran else None,
         "greedy_original": greedy_ref,
         "greedy_converted": greedy_got,
         "greedy_match": greedy_ref == greedy_got if ran else None,
@@ -127,13 +132,13 @@ def greedy_fields(greedy_ref, greedy_got, ids: torch.Tensor, tokenizer, dtype: t
 def greedy_in_turn(original: Checkpoint, converted, config: dict, ids: torch.Tensor, device, dtype) -> tuple:
     """Greedy continuations of the original and the converted model (directory `converted`), each
     whole model built in `dtype`, filled a tensor at a time, run and freed before the next is
-    built: one model in memory at a time, not two. Returns (original's tokens, converted's, dtype)."""
+    built: one model in memory at a time, not two. Returns (original's tokens, converted's, dtype, how)."""
     ids = ids.to(device)
-    greedy_ref = _greedy(load_original(original, config, device, dtype), ids)
+    greedy_ref = _greedy(load_original(original, config, device, dtype, mapped=False), ids)  # its pages go with it
     release_freed_memory()
     greedy_got = _greedy(load_mla_model(converted, device=device, dtype=dtype), ids)
     release_freed_memory()
-    return greedy_ref, greedy_got, dtype
+    return greedy_ref, greedy_got, dtype, "one whole model at a time"
 
 
 def streamed_end_to_end(
@@ -141,15 +146,16 @@ def streamed_end_to_end(
 ) -> dict:
     """`end_to_end`'s report with the models streamed one decoder layer at a time
     (`convert.verify.streamed`). Greedy generation needs a whole model with a KV cache:
-    `greedy` holds the tokens of `greedy_in_turn` when it ran, else `greedy_skipped` says `why`; with
+    `greedy` holds (the original's tokens, the converted's, the dtype[, how they were generated]) of
+    `greedy_in_turn` or `greedy_streamed` when one ran, else `greedy_skipped` says `why`; with
     a twin, the twin runs as a third stream and its figures are the `floor`."""
-    greedy_ref, greedy_got, greedy_dtype = greedy or (None, None, None)
+    greedy_ref, greedy_got, greedy_dtype, *how = greedy or (None, None, None)
     ckpt_dtype = run.ckpt_dtype
     result = streamed.compare_streamed(run, ids.to(run.device))
     cache_original, cache_converted = streamed.cache_bytes_per_token(run.mla, ckpt_dtype)
     return (
         result
-        | greedy_fields(greedy_ref, greedy_got, ids, tokenizer, greedy_dtype)
+        | greedy_fields(greedy_ref, greedy_got, ids, tokenizer, greedy_dtype, *how)
         | {
             "kv_cache_bytes_per_token_original": cache_original,
             "kv_cache_bytes_per_token_converted": cache_converted,

@@ -5,12 +5,16 @@ estimates against measured peaks."""
 
 import math
 import os
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from convert.errors import ConvertError
 from convert.io.reader import dtype_itemsize
+from convert.sizes import gib
 from convert.verify.streamed import VOCAB_CHUNK
 
 # Whole-model verification holds both models plus activations: this many times
@@ -78,13 +82,17 @@ def streamed_verify_memory_bytes(
     (`convert.verify.twin`) as a third stream.
     """
     run, stored_size = dtype_itemsize(run_dtype), dtype_itemsize(stored.dtype)
-    hidden, intermediate, n_heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    mla = config.get("mla") or {}  # a bare file's config has only its `mla` section
+    hidden = config.get("hidden_size") or mla["hidden_size"]
+    n_heads = config.get("num_attention_heads") or mla["n_heads"]
+    intermediate = config.get("intermediate_size") or 4 * hidden
     w = min(tokens, window)
     modules = stored.layer_bytes * run // stored_size + stored.tensor_bytes
     streams = 3 if stored_size < 4 else 2
     states = streams * 2 * tokens * hidden * run
     inside = w * (3 * intermediate + 6 * hidden) * run + 2 * n_heads * w * w * max(run, 4)
-    logits = 9 * w * VOCAB_CHUNK * 8 + 2 * VOCAB_CHUNK * hidden * (run + stored_size)
+    chunk = min(VOCAB_CHUNK, config.get("vocab_size") or VOCAB_CHUNK)  # rows of the lm_head read at once
+    logits = 9 * w * chunk * 8 + 2 * chunk * hidden * (run + stored_size)
     return modules + states + inside + logits
 
 
@@ -157,3 +165,127 @@ def _stat(directory: Path) -> dict[str, int]:
         return {pair[0]: int(pair[1]) for pair in pairs if len(pair) == 2}
     except (OSError, ValueError):
         return {}
+
+
+# --------------------------------------------------------------------------- the cap (--max-memory)
+
+# The default cap on a run's resident memory: what the process held when the run began, plus the original
+# checkpoint's size, plus this (or what streamed verification needs, if more). From the command line (0.38 GiB
+# of imports): SmolLM2 in float32 (538 MB) 1.48 GB, Qwen2.5-0.5B in float32 (1.98 GB) 2.94 GB.
+DEFAULT_CAP_EXTRA = 2**29  # 0.5 GiB
+_RUN_START: ContextVar[int | None] = ContextVar("run_start_rss", default=None)
+_CAP_ACCEPTED: ContextVar[bool] = ContextVar("cap_accepted", default=False)  # --max-memory checked up front
+PROC_STATUS = Path("/proc/self/status")
+
+
+def _status_bytes(key: str) -> int:
+    """A /proc/self/status memory field (VmRSS, VmHWM) in bytes; 0 where there is none (not Linux)."""
+    try:
+        for line in PROC_STATUS.read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def process_rss_bytes() -> int:
+    """This process's resident memory now (VmRSS)."""
+    return _status_bytes("VmRSS")
+
+
+def process_peak_bytes() -> int:
+    """This process's peak resident memory so far (VmHWM): what the report states as measured."""
+    return _status_bytes("VmHWM")
+
+
+@contextmanager
+def memory_run():
+    """The scope of one run (a conversion and its verification, or a verification alone): the resident
+    memory when it began is what the default cap is counted from. Nested scopes keep the outer one's."""
+    if _RUN_START.get() is not None:
+        yield
+        return
+    token, accepted = _RUN_START.set(process_rss_bytes()), _CAP_ACCEPTED.set(False)
+    try:
+        yield
+    finally:
+        _RUN_START.reset(token)
+        _CAP_ACCEPTED.reset(accepted)
+
+
+@dataclass(frozen=True)
+class MemoryCap:
+    """The bound a run keeps its resident memory under: `cap_bytes`, from `--max-memory` (`explicit`)
+    or the default (`DEFAULT_CAP_EXTRA` over the original checkpoint, or more where the model's
+    streamed verification, or an export's whole one, needs it); `why`: how it was chosen."""
+
+    cap_bytes: int
+    explicit: bool
+    why: str
+
+    def room(self, device: torch.device) -> tuple[int, str]:
+        """Bytes verification may still allocate on `device`: the memory free less the margin
+        (`free_margin_bytes`), and on the CPU no more than the cap less this process's resident
+        memory; with the figures, for a reason line. A GPU's own memory is bounded by what it has free."""
+        free = available_memory_bytes(device)
+        usable = free - free_margin_bytes(free)
+        words = f"the {gib(max(usable, 0))} usable of the {gib(free)} free on {device}"
+        if device.type == "cpu":
+            headroom = self.cap_bytes - process_rss_bytes()
+            if headroom < usable:
+                usable, words = (
+                    headroom,
+                    f"the {gib(max(headroom, 0))} left under the memory cap of {gib(self.cap_bytes)}",
+                )
+        return usable, words
+
+    def to_report(self, peak: int) -> dict:
+        return {"cap_bytes": self.cap_bytes, "cap_explicit": self.explicit, "cap_why": self.why, "peak_rss_bytes": peak}
+
+
+def memory_cap(cap: int | None, checkpoint_bytes: int, needed: int, what: str) -> MemoryCap:
+    """The run's cap on this process's resident memory: `cap` (--max-memory) when given, refused (exit 2,
+    naming the smallest cap that works) where it cannot hold `needed` bytes beside the resident memory
+    now; else the default: the resident memory when the run began (`memory_run`), the checkpoint's
+    `checkpoint_bytes` and `DEFAULT_CAP_EXTRA`, raised to what `needed` asks. what: the least the run
+    needs `needed` for, in words."""
+    smallest = process_rss_bytes() + needed
+    if cap is not None:
+        if cap < smallest and not _CAP_ACCEPTED.get():  # refused once, up front: then the run keeps to its least
+            raise ConvertError(
+                f"--max-memory {gib(cap)} cannot hold {what}: it needs about {gib(smallest)} (this process "
+                f"{gib(process_rss_bytes())} and {gib(needed)} more); pass --max-memory {_round_up(smallest)} or "
+                "more, or --no-verify"
+            )
+        _CAP_ACCEPTED.set(True)
+        return MemoryCap(cap, True, "--max-memory")
+    start = _RUN_START.get() or process_rss_bytes()
+    default = start + checkpoint_bytes + DEFAULT_CAP_EXTRA
+    if smallest > default:
+        return MemoryCap(smallest, False, f"default, raised to what {what} needs")
+    words = f"default: the {gib(start)} held at the start, the checkpoint's {gib(checkpoint_bytes)} and {gib(DEFAULT_CAP_EXTRA)}"
+    return MemoryCap(default, False, words)
+
+
+def _round_up(n: int) -> str:
+    """`n` bytes rounded up to a tenth of a GiB, as --max-memory takes it: `1.4GiB`."""
+    return f"{math.ceil(n / 2**30 * 10) / 10:.1f}GiB"
+
+
+def stored_layers(original: dict, converted: dict, n_layers: int) -> StoredLayers:
+    """`StoredLayers` of a pair given as {tensor name: (shape, dtype)}: the larger of a converted
+    decoder layer and an original one plus a converted attention, the largest decoder tensor. A
+    checkpoint without numbered decoder layers (the seed's notation) counts as one layer."""
+    nbytes = lambda shape, dtype: math.prod(shape) * dtype_itemsize(dtype)
+    numbered = any(".layers." in n for n in converted)
+
+    def layer(tensors: dict, i: int, part: str = "") -> int:
+        inside = (lambda n: n.startswith(f"model.layers.{i}.{part}")) if numbered else (lambda n: True)
+        return sum(nbytes(*tensors[n]) for n in tensors if inside(n))
+
+    layers = range(n_layers) if numbered else range(1)
+    layer_bytes = max(max(layer(converted, i), layer(original, i) + layer(converted, i, "self_attn.")) for i in layers)
+    decoder = {n: v for n, v in {**original, **converted}.items() if ".layers." in n or not numbered}
+    tensor_bytes = max(nbytes(*v) for v in decoder.values())
+    return StoredLayers(layer_bytes, tensor_bytes, next(dtype for _, dtype in decoder.values()))

@@ -21,10 +21,13 @@ the verdict it reports.
 #                       kv_cache_bytes_per_token_{original,converted} (in kv_cache_dtype, the checkpoint's),
 #                       params_{original,converted}, mode (whole | streamed),
 #                       greedy_dtype (the greedy run's: whole, the run's dtype; auto, float32 unless --dtype),
-#                       greedy_skipped (null, or why: greedy_* are then null)}
+#                       greedy_how ("whole models", or "streamed: …" and why), greedy_skipped (null, or why:
+#                       greedy_* are then null)}
 #                      or null, with end_to_end_skipped: reason
 #   inputs             {original: {path, files: {name: sha256}}, converted: {…}, text: {path, sha256, tokens} | null}
 #   options, versions  {convert, torch, transformers, python}, device {type, name}, dtype, timings {…_s}
+#   memory             {cap_bytes (the run's bound on resident memory), cap_explicit (--max-memory), cap_why,
+#                       peak_rss_bytes (the process's peak resident memory, measured as the report is made)}
 #   target             the vllm export's section (cache sizes, perplexity ratio, note), only for --target vllm
 #   plot               whether verification_layers.png was written (matplotlib present)
 
@@ -43,6 +46,7 @@ def render_markdown(report: dict) -> str:
         f"- converted: `{report['inputs']['converted']['path']}`",
         f"- device: {report['device']['type']} ({report['device']['name']}), run dtype {report['dtype']}",
         f"- inputs: {_input_line(report)}",
+        *_memory_line(report),
         "",
     ]
     lossy = report["thresholds"]["max_ppl_ratio"] is not None
@@ -179,11 +183,22 @@ def _floor_lines(e2e: dict) -> list[str]:
     return lines + [f"| {name} | {e2e[key]:{fmt}} | {floor[key]:{fmt}} |" for name, key, fmt in rows]
 
 
+def _memory_line(report: dict) -> list[str]:
+    memory = report.get("memory")
+    if not memory:  # a report from before the cap
+        return []
+    gib = lambda n: f"{n / 2**30:.2f} GiB"
+    return [
+        f"- memory: peak {gib(memory['peak_rss_bytes'])} resident, cap {gib(memory['cap_bytes'])} ({memory['cap_why']})"
+    ]
+
+
 def _greedy_cell(e2e: dict) -> str:
     if e2e.get("greedy_skipped"):
         return f"not run: {e2e['greedy_skipped']}"
-    dtype = f" ({e2e['greedy_dtype']})" if e2e.get("greedy_dtype") else ""
-    return ("yes" if e2e["greedy_match"] else "no") + dtype
+    how = [e2e["greedy_dtype"]] if e2e.get("greedy_dtype") else []
+    how += ["streamed layer by layer"] if (e2e.get("greedy_how") or "").startswith("streamed") else []
+    return ("yes" if e2e["greedy_match"] else "no") + (f" ({', '.join(how)})" if how else "")
 
 
 def _greedy_lines(e2e: dict) -> list[str]:

@@ -240,3 +240,63 @@ def cache_bytes_per_token(mla: MLASection, ckpt_dtype: torch.dtype) -> tuple[flo
     # the latents (the factored layout's key positions are not counted)
     converted = sum(cache_dims(layer.ranks) for layer in mla.layers) * size
     return float(original), float(converted)
+
+
+def greedy_streamed(run: VerifyRun, ids: torch.Tensor, prompt: int, new: int, eos: set[int]) -> tuple[list, list]:
+    """Greedy continuations of both models (`new` tokens after the first `prompt` of `ids`, stopping
+    after an `eos` token, as `generate` does) with one decoder layer in memory at a time: each new
+    token is one pass over the original's layers. The converted model's choices come from one pass
+    over the original's whole continuation (teacher forcing: they are its own greedy tokens for as
+    long as they agree); past a disagreement it goes on alone, a pass per token."""
+    stream = _Stream(run)
+    ref = _generate(stream, stream.original, stream.original_layer, ids[:, :prompt], new, eos)
+    forced = torch.tensor([ids[0, :prompt].tolist() + ref], device=ids.device)  # (1, prompt + len(ref))
+    hidden = _final_hidden(stream, stream.converted, stream.converted_layer, forced)[0, prompt - 1 : -1]  # (n, D)
+    got = []
+    for position, token in enumerate(ref):
+        got.append(_argmax(stream, stream.converted, hidden[position : position + 1]))
+        if got[-1] != token:
+            break
+    if got != ref:
+        prefix = torch.tensor([ids[0, :prompt].tolist() + got], device=ids.device)
+        got += (
+            []
+            if got[-1] in eos
+            else _generate(stream, stream.converted, stream.converted_layer, prefix, new - len(got), eos)
+        )
+    return ref, got
+
+
+def _generate(stream: _Stream, checkpoint: Checkpoint, build_layer, prefix: torch.Tensor, new: int, eos: set[int]):
+    """Up to `new` greedy tokens after `prefix` (1, L), a streamed pass over the model per token."""
+    tokens = []
+    for _ in range(new):
+        hidden = _final_hidden(stream, checkpoint, build_layer, prefix)[0, -1:]  # (1, D)
+        tokens.append(_argmax(stream, checkpoint, hidden))
+        if tokens[-1] in eos:
+            break
+        prefix = torch.cat([prefix, prefix.new_tensor([[tokens[-1]]])], dim=1)
+    return tokens
+
+
+def _final_hidden(stream: _Stream, checkpoint: Checkpoint, build_layer, ids: torch.Tensor) -> torch.Tensor:
+    """The final-normed hidden states (1, L, D) of `ids` (1, L), one decoder layer in memory at a time."""
+    with torch.no_grad():
+        hidden = stream.embed(checkpoint, ids)
+        for layer in range(stream.mla.n_layers):
+            decoder = build_layer(layer)
+            hidden = _run(decoder, hidden, stream.layers.inputs(layer, hidden))
+            del decoder
+        return stream.norm(checkpoint, hidden)
+
+
+def _argmax(stream: _Stream, checkpoint: Checkpoint, hidden: torch.Tensor) -> int:
+    """The most likely next token for one final hidden state (1, D), over the vocabulary in chunks
+    (the first maximum wins, as argmax over the whole row)."""
+    best, arg = float("-inf"), 0
+    with torch.no_grad():
+        for start, rows in _chunks(stream, checkpoint):
+            value, index = stream.cap(torch.nn.functional.linear(hidden, rows))[0].max(-1)
+            if float(value) > best:
+                best, arg = float(value), start + int(index)
+    return arg

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from convert.errors import ConvertError
-from convert.io import MANIFEST_NAME, CheckpointWriter, open_checkpoint, parse_size
+from convert.io import MANIFEST_NAME, CheckpointWriter, open_checkpoint
+from convert.sizes import parse_size
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@ import torch
 
 import convert.verify as verify_module
 from convert.api import gqa2mla
+from convert.errors import ConvertError
 from convert.io import open_checkpoint
 from convert.mla.model import read_mla_config
 from convert.verify import memory, verify_paths
@@ -91,9 +92,15 @@ def tiny_mla(tiny_llama_dir, tmp_path):
     return out, one, both + whole_model_activation_bytes(24, vocab)
 
 
-def _auto(tiny_llama_dir, out, monkeypatch, free: int) -> dict:
-    monkeypatch.setattr(verify_module, "available_memory_bytes", lambda device: free)
-    return verify_paths(tiny_llama_dir, out, tokens=24, progress=False)["end_to_end"]
+#: this process's resident memory as the tests' caps see it (pytest's own varies with what ran before)
+RSS = GiB // 2
+
+
+def _auto(tiny_llama_dir, out, monkeypatch, free: int, max_memory: int | None = 1024 * GiB) -> dict:
+    """auto with `free` bytes free and a cap (default: none that binds), this process at `RSS`."""
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: free)
+    monkeypatch.setattr(memory, "process_rss_bytes", lambda: RSS)
+    return verify_paths(tiny_llama_dir, out, tokens=24, progress=False, max_memory=max_memory)["end_to_end"]
 
 
 def test_auto_verifies_whole_models_when_both_fit(tiny_llama_dir, tiny_mla, monkeypatch):
@@ -109,42 +116,68 @@ def test_auto_streams_with_greedy_when_only_one_model_fits(tiny_llama_dir, tiny_
     for free in (FREE_MARGIN_MIN + whole - 1, FREE_MARGIN_MIN + one):
         e2e = _auto(tiny_llama_dir, out, monkeypatch, free)
         assert e2e["mode"] == "streamed" and e2e["greedy_skipped"] is None and e2e["greedy_match"]
-        assert e2e["greedy_dtype"] == "float32"
+        assert e2e["greedy_dtype"] == "float32" and e2e["greedy_how"] == "one whole model at a time"
 
 
-def test_auto_skips_greedy_naming_the_memory_when_no_model_fits(tiny_llama_dir, tiny_mla, monkeypatch):
+def test_auto_generates_streamed_naming_the_memory_when_no_model_fits(tiny_llama_dir, tiny_mla, monkeypatch):
+    """No whole model fits: greedy generation still runs, streamed a decoder layer at a time, and
+    gives the tokens the whole models give."""
     out, one, _ = tiny_mla
+    whole = _auto(tiny_llama_dir, out, monkeypatch, 64 * GiB)
     e2e = _auto(tiny_llama_dir, out, monkeypatch, FREE_MARGIN_MIN + one - 1)
-    assert e2e["mode"] == "streamed" and e2e["greedy_match"] is None
-    why = e2e["greedy_skipped"]
-    assert f"needs ~{one / GiB:.2f} GiB" in why and f"{(FREE_MARGIN_MIN + one - 1) / GiB:.2f} GiB free on cpu" in why
-    assert "1.00 GiB kept free" in why
+    assert e2e["mode"] == "streamed" and e2e["greedy_skipped"] is None and e2e["greedy_match"]
+    assert e2e["greedy_original"] == whole["greedy_original"] and len(whole["greedy_original"]) == 32
+    assert e2e["greedy_converted"] == whole["greedy_converted"]
+    how = e2e["greedy_how"]
+    assert how.startswith("streamed") and f"needs ~{one / GiB:.2f} GiB" in how
+    assert f"{(FREE_MARGIN_MIN + one - 1 - FREE_MARGIN_MIN) / GiB:.2f} GiB usable" in how
+
+
+def test_the_cap_decides_as_the_free_memory_does(tiny_llama_dir, tiny_mla, monkeypatch):
+    """With memory free, --max-memory alone chooses: whole models under a cap that holds them beside
+    the process, else streamed with one whole model in turn; a cap below what streaming needs (here
+    more than a whole tiny model: its vocabulary chunk's float64 logits) is refused, naming the
+    smallest cap that works, which then runs."""
+    out, one, whole = tiny_mla
+    decide = lambda cap: _auto(tiny_llama_dir, out, monkeypatch, 64 * GiB, cap)
+    e2e = decide(RSS + whole)
+    assert e2e["mode"] == "whole"
+    e2e = decide(RSS + whole - 1)
+    assert e2e["mode"] == "streamed" and e2e["greedy_how"] == "one whole model at a time"
+    with pytest.raises(ConvertError, match=r"cannot hold the verification of this model streamed") as refused:
+        decide(RSS + one)
+    smallest = float(str(refused.value).split("pass max_memory=")[1].split("GiB")[0])
+    assert decide(int(smallest * GiB))["greedy_match"]  # runs (rounded up to a tenth of a GiB, whole here)
 
 
 def test_streamed_and_whole_ignore_the_free_memory(tiny_llama_dir, tiny_mla, monkeypatch):
     out, _, _ = tiny_mla
-    monkeypatch.setattr(verify_module, "available_memory_bytes", lambda device: 64 * GiB)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 64 * GiB)
     streamed = verify_paths(tiny_llama_dir, out, tokens=24, e2e="streamed", progress=False)["end_to_end"]
     assert streamed["mode"] == "streamed" and "--e2e streamed" in streamed["greedy_skipped"]
-    monkeypatch.setattr(verify_module, "available_memory_bytes", lambda device: 0)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 0)
     assert verify_paths(tiny_llama_dir, out, tokens=24, e2e="whole", progress=False)["end_to_end"]["mode"] == "whole"
 
 
 @pytest.mark.realdata
 @pytest.mark.parametrize("smollm2_converted", ["absorbed"], indirect=True)  # the default layout
-def test_smollm2_on_a_24_gib_machine_gets_the_whole_check(smollm2, smollm2_converted, monkeypatch):
-    """Issue 36: with the ~22 GiB free of a 24 GiB machine, auto verifies SmolLM2 (float32, its 0.50
-    and 0.65 GiB checkpoints) whole in float64, greedy generation included; with 4 GiB free it
-    streams and generates from one model at a time; with 1.5 GiB free greedy generation is skipped."""
+def test_smollm2_default_cap_streams_and_generates_from_one_model(smollm2, smollm2_converted, monkeypatch):
+    """Issue 69: on a 24 GiB machine (22 GiB free) the default cap (run start + the 0.50 GiB checkpoint
+    + 0.5 GiB) streams SmolLM2 and generates from one float32 model at a time; --max-memory 4GiB
+    verifies it whole in float64, as the free memory alone did; 1.5 GiB free, no whole model."""
     ids = torch.zeros(1, 256, dtype=torch.long)  # the default --tokens
+    monkeypatch.setattr(memory, "process_rss_bytes", lambda: 2 * GiB // 5)  # the command line's 0.38 GiB of imports
     with open_checkpoint(smollm2) as orig, open_checkpoint(smollm2_converted.output) as conv:
         run = VerifyRun(orig, conv, read_mla_config(smollm2_converted.output)[0], CPU, torch.float64)
 
-        def decide(free: int) -> tuple[bool, bool]:  # (both whole models fit, one fits for greedy generation)
-            monkeypatch.setattr(verify_module, "available_memory_bytes", lambda device: free)
-            whole = verify_module._whole_models_fit(run, ids)
-            return whole, verify_module._one_model_fits(orig, conv, CPU, torch.float32)[0]
+        def decide(free: int, cap: int | None) -> tuple[bool, bool]:  # (both whole models fit, one fits)
+            monkeypatch.setattr(memory, "available_memory_bytes", lambda device: free)
+            with memory.memory_run():
+                limit = memory.memory_cap(cap, orig.total_bytes(), 0, "nothing")
+                whole = verify_module._whole_models_fit(run, ids, limit)
+                return whole, verify_module._one_model_fits(orig, conv, CPU, torch.float32, limit)[0]
 
-        assert decide(22 * GiB) == (True, True)
-        assert decide(4 * GiB) == (False, True)
-        assert decide(3 * GiB // 2) == (False, False)
+        assert decide(22 * GiB, None) == (False, True)
+        assert decide(22 * GiB, 4 * GiB) == (True, True)
+        assert decide(4 * GiB, 64 * GiB) == (False, True)
+        assert decide(3 * GiB // 2, 64 * GiB) == (False, False)

@@ -107,8 +107,10 @@ def test_sharded_output_verifies_before_commit(tiny_llama_dir, tmp_path):
 def test_auto_streams_and_generates_greedily_one_model_at_a_time(tiny_llama_dir, tmp_path, monkeypatch):
     """auto with the memory free for one whole model but not two: the streamed figures, then greedy
     generation from each whole model in turn, in float32 for a float32 checkpoint (the whole mode's
-    greedy tokens, there in float64); skipped, with the figures, when one does not fit either."""
+    greedy tokens, there in float64); when one does not fit either, greedy generation streamed a
+    decoder layer at a time gives the same tokens."""
     import convert.verify as verify_module
+    from convert.verify import memory
     from convert.verify.memory import FREE_MARGIN_MIN, one_model_memory_bytes
 
     out = tmp_path / "mla"
@@ -118,20 +120,21 @@ def test_auto_streams_and_generates_greedily_one_model_at_a_time(tiny_llama_dir,
         needed = one_model_memory_bytes(conv.total_bytes(), torch.float32, torch.float32)
     loads = []
     monkeypatch.setattr(verify_module, "greedy_in_turn", _spy(verify_module.greedy_in_turn, loads))
-    monkeypatch.setattr(verify_module, "available_memory_bytes", lambda device: FREE_MARGIN_MIN + needed)  # just fits
-    auto = verify_paths(tiny_llama_dir, out, tokens=24, progress=False)["end_to_end"]
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: FREE_MARGIN_MIN + needed)  # just fits
+    run = lambda: verify_paths(tiny_llama_dir, out, tokens=24, progress=False, max_memory="1024GiB")["end_to_end"]
+    auto = run()
     assert auto["mode"] == "streamed" and auto["greedy_skipped"] is None and auto["greedy_match"]
     assert len(auto["greedy_original"]) == 32 and auto["greedy_original"] == whole["greedy_original"]
     assert auto["greedy_converted"] == whole["greedy_converted"] and loads == [torch.float32]
     assert auto["greedy_dtype"] == "float32" and whole["greedy_dtype"] == "float64"
     assert_same_figures(auto, whole)
     free = FREE_MARGIN_MIN + needed - 1  # one byte short
-    monkeypatch.setattr(verify_module, "available_memory_bytes", lambda device: free)
-    skipped = verify_paths(tiny_llama_dir, out, tokens=24, progress=False)["end_to_end"]
-    assert skipped["mode"] == "streamed" and skipped["greedy_match"] is None and len(loads) == 1
-    assert "needs one whole model with a KV cache in float32" in skipped["greedy_skipped"]
-    assert f"~{needed / 2**30:.2f} GiB" in skipped["greedy_skipped"]
-    assert f"{free / 2**30:.2f} GiB free on cpu" in skipped["greedy_skipped"]
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: free)
+    streamed = run()
+    assert streamed["mode"] == "streamed" and streamed["greedy_match"] and len(loads) == 1
+    assert streamed["greedy_original"] == whole["greedy_original"]
+    assert streamed["greedy_converted"] == whole["greedy_converted"]
+    assert streamed["greedy_how"].startswith("streamed") and f"~{needed / 2**30:.2f} GiB" in streamed["greedy_how"]
 
 
 def _spy(fn, calls: list):
@@ -140,3 +143,25 @@ def _spy(fn, calls: list):
         return fn(original, converted, config, ids, device, dtype)
 
     return spied
+
+
+def test_streamed_greedy_follows_a_converted_model_that_diverges(tiny_llama_dir, tmp_path):
+    """A damaged conversion generates other tokens: streamed greedy generation gives each model's own
+    continuation (the converted one's past where it leaves the original's), as whole models do."""
+    from tamper import tampered_copy
+
+    from convert.verify.e2e import GREEDY_NEW, GREEDY_PROMPT, greedy_in_turn
+    from convert.verify.run import VerifyRun
+    from convert.verify.streamed import greedy_streamed
+
+    out = tmp_path / "mla"
+    gqa2mla(tiny_llama_dir, out, verify=False, progress=False)
+    bad = tampered_copy(out, tmp_path / "bad", "swap_query_heads", 0)
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(3))
+    with open_checkpoint(tiny_llama_dir) as orig, open_checkpoint(bad) as conv:
+        config = read_mla_config(bad)[0]
+        whole_ref, whole_got, *_ = greedy_in_turn(orig, bad, config, ids, torch.device("cpu"), torch.float32)
+        run = VerifyRun(orig, conv, config, torch.device("cpu"), torch.float32)
+        ref, got = greedy_streamed(run, ids, GREEDY_PROMPT, GREEDY_NEW, set())
+    assert whole_ref != whole_got  # the damage shows in the tokens
+    assert (ref, got) == (whole_ref, whole_got) and len(got) == GREEDY_NEW
