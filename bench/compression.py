@@ -15,6 +15,8 @@ calibration novel) and judged again. Rows are saved as they are measured.
     python bench/compression.py                       # the docs' table (hours on 2 cores)
     python bench/compression.py --ratios 0.5 --layouts factored --heal-steps 0
     python bench/compression.py --calib A.txt --eval-text B.txt --shares 0.25,0.5 --layouts vllm
+    python bench/compression.py --eval-kinds all --shares 0.25 --layouts factored --heal-steps 0   # every kind of text
+    python bench/compression.py --calib-kind code --eval-kinds all ...   # calibrated on one kind, judged on each
     python bench/compression.py --render              # table and plot from the saved JSON only
     python bench/compression.py --model gemma3        # the second family (results/compression_gemma3.json)
     python bench/compression.py --model gemma3 --shares 0.5 --out /tmp/g.json --merge   # one share into its table
@@ -68,7 +70,25 @@ def parse_args(argv=None):
     p.add_argument("--calib-book", default="prideprejudice")
     p.add_argument("--eval-book", default="northangerabbey")
     p.add_argument("--calib", type=Path, default=None, help="calibrate on this UTF-8 text instead of --calib-book")
-    p.add_argument("--eval-text", type=Path, default=None, help="judge on this UTF-8 text instead of --eval-book")
+    p.add_argument(
+        "--calib-kind",
+        choices=realdata.TEXT_KINDS,
+        default=None,
+        help="calibrate (and heal) on the calibration part of this kind of text (fixtures/realdata.py) instead",
+    )
+    p.add_argument(
+        "--eval-text",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="judge on these UTF-8 texts (each named by its file's stem) instead of --eval-book",
+    )
+    p.add_argument(
+        "--eval-kinds",
+        default=None,
+        help="also judge every row on the judging part of these kinds of text (comma-separated, or 'all': "
+        f"{', '.join(realdata.TEXT_KINDS)}), each --eval-tokens long, worst first",
+    )
     p.add_argument(
         "--calib-tokens",
         type=int,
@@ -138,11 +158,29 @@ def parse_args(argv=None):
     return args
 
 
-def token_ids(tokenizer, book: str, n: int, path: Path | None = None) -> torch.Tensor:
-    """The first n token ids of `path`'s text, or of the Austen novel `book`."""
-    text = path.read_text(encoding="utf-8") if path is not None else realdata.austen_text(book)
+def token_ids(tokenizer, book: str, n: int, path: Path | None = None, kind: str | None = None) -> torch.Tensor:
+    """The first n token ids of `path`'s text, of the calibration part of the `kind` of text, or of the
+    Austen novel `book`."""
+    if path is not None:
+        text = path.read_text(encoding="utf-8")
+    else:
+        text = realdata.text_kind(kind, "calib", tokenizer) if kind else realdata.austen_text(book)
     ids = tokenizer(text)["input_ids"][:n]
     return torch.tensor(ids)[None]
+
+
+def judging_sets(args, tokenizer) -> dict[str, torch.Tensor]:
+    """The texts each row is judged on, by name, the first the table's: --eval-text's files (by stem), else
+    --eval-book; then with --eval-kinds the judging part of each kind of text. Each (1, --eval-tokens)."""
+    texts = {p.stem: p for p in args.eval_text} if args.eval_text else {args.eval_book: None}
+    sets = {name: token_ids(tokenizer, name, args.eval_tokens, path) for name, path in texts.items()}
+    kinds = (
+        [] if not args.eval_kinds else realdata.TEXT_KINDS if args.eval_kinds == "all" else args.eval_kinds.split(",")
+    )
+    for kind in kinds:
+        ids = tokenizer(realdata.text_kind(kind, "eval", tokenizer), add_special_tokens=False)["input_ids"]
+        sets[kind] = torch.tensor(ids[: args.eval_tokens])[None]
+    return sets
 
 
 def run_one(
@@ -261,6 +299,17 @@ def run_vllm(
     return row, model
 
 
+def by_kind(converted, sets: dict, bases: dict, window: int, first_ppl: float, first: str) -> dict:
+    """A row's perplexity ratio on each judging text (`judging_sets`), worst first, and which is worst."""
+    ratios = {
+        name: (first_ppl if name == first else perplexity(converted, ids, window)) / bases[name]
+        for name, ids in sets.items()
+    }
+    ordered = dict(sorted(ratios.items(), key=lambda item: -item[1]))
+    worst = next(iter(ordered))
+    return {"ppl_ratio_by_kind": ordered, "worst_kind": worst, "worst_ppl_ratio": ordered[worst]}
+
+
 def healed(model, original, heal_ids, eval_ids, window, steps: int) -> dict:
     """Heal `model` in place for `steps` steps on `heal_ids` (`convert.heal`, the device's
     windows; its held-out slice is the healing text's own) and judge it again on `eval_ids`."""
@@ -286,26 +335,31 @@ def main(argv=None):
     src = MODELS[args.model][0]()
     tokenizer = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    calib_ids = token_ids(tokenizer, args.calib_book, args.calib_tokens, args.calib)
-    heal_ids = token_ids(tokenizer, args.calib_book, args.heal_tokens, args.calib)
-    eval_ids = token_ids(tokenizer, args.eval_book, args.eval_tokens, args.eval_text)
-    base = perplexity(model, eval_ids, args.window)
-    print(
-        f"original perplexity on {args.eval_text or args.eval_book} ({eval_ids.shape[-1]} tokens): {base:.4f}",
-        flush=True,
-    )
+    calib_ids = token_ids(tokenizer, args.calib_book, args.calib_tokens, args.calib, args.calib_kind)
+    heal_ids = token_ids(tokenizer, args.calib_book, args.heal_tokens, args.calib, args.calib_kind)
+    sets = judging_sets(args, tokenizer)
+    eval_name, eval_ids = next(iter(sets.items()))
+    bases = {name: perplexity(model, ids, args.window) for name, ids in sets.items()}
+    base = bases[eval_name]
+    for name, ids in sets.items():
+        print(f"original perplexity on {name} ({ids.shape[-1]} tokens): {bases[name]:.4f}", flush=True)
     rows = []
     result = {
         "model": MODELS[args.model][1],
         "original_ppl": base,
         "goals": {layout: {str(share): goal for share, goal in g.items()} for layout, g in GOALS[args.model].items()},
+        "judged_on": {name: {"tokens": ids.shape[-1], "original_ppl": bases[name]} for name, ids in sets.items()},
         "calib": {
-            "book": str(args.calib or args.calib_book),
+            "book": str(args.calib or args.calib_kind or args.calib_book),
             "tokens": calib_ids.shape[-1],
             "fisher_tokens": min(args.fisher_tokens, calib_ids.shape[-1]),
         },
-        "heal": {"book": str(args.calib or args.calib_book), "tokens": heal_ids.shape[-1], "steps": args.heal_steps},
-        "eval": {"book": str(args.eval_text or args.eval_book), "tokens": eval_ids.shape[-1], "window": args.window},
+        "heal": {
+            "book": str(args.calib or args.calib_kind or args.calib_book),
+            "tokens": heal_ids.shape[-1],
+            "steps": args.heal_steps,
+        },
+        "eval": {"book": eval_name, "tokens": eval_ids.shape[-1], "window": args.window},
         "rows": rows,
         "machine": machine(),  # the CPU's kernels round differently: a refined row can move by 0.01
         "command": " ".join([sys.executable, *sys.argv]),
@@ -346,6 +400,9 @@ def main(argv=None):
         row["ppl_ratio"] = row["ppl"] / base
         row["target"] = GOALS[args.model].get(layout, {}).get(ratio)
         print(f"share {ratio:g} ppl_ratio {row['ppl_ratio']:.3f}", flush=True)
+        if len(sets) > 1:
+            row |= by_kind(converted, sets, bases, args.window, row["ppl"], eval_name)
+            print(f"share {ratio:g} worst {row['worst_kind']} ppl_ratio {row['worst_ppl_ratio']:.3f}", flush=True)
         if args.heal_steps and row["method"] != "exact":
             row |= healed(converted, model, heal_ids, eval_ids, args.window, args.heal_steps)
             row["healed_ppl_ratio"] = row["healed_ppl"] / base

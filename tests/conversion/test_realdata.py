@@ -210,3 +210,23 @@ def test_smollm2_dir_loads_with_expected_config():
     ppl, n = rd.perplexity(model, tok, rd.austen_text("emma"), window=256, max_tokens=1024)
     assert n > 1000
     assert 5 < ppl < 80, ppl
+
+
+@pytest.mark.slow
+def test_text_kinds_calibrate_and_judge_on_disjoint_documents(smollm2_tokenizer):
+    """Issue 65's four kinds of text: each part tens of thousands of tokens, its calibration and judging
+    documents disjoint; dialogue in SmolLM2's chat template (and as plain turns without one)."""
+    realdata = _load_realdata()
+    for kind in realdata.TEXT_KINDS:
+        calib, held_out = (realdata.text_kind(kind, part, smollm2_tokenizer) for part in ("calib", "eval"))
+        assert min(len(calib), len(held_out)) > 150_000, kind
+        if kind != "dialogue":  # the corpus repeats turns across its conversations: split by conversation
+            first_lines = lambda text: {line for line in text.splitlines()[:2000] if len(line) > 60}
+            assert not first_lines(calib) & first_lines(held_out), kind  # no shared document
+    dialogue = realdata.text_kind("dialogue", "eval", smollm2_tokenizer)
+    calib = realdata.text_kind("dialogue", "calib", smollm2_tokenizer)
+    assert dialogue.count("<|im_start|>assistant") > 500
+    assert 0.4 < calib.count("<|im_start|>system") / dialogue.count("<|im_start|>system") < 0.6  # a third vs two
+    plain = realdata.text_kind("dialogue", "eval")
+    assert "<|im_start|>" not in plain and plain.count("\nAssistant: ") > 500
+    assert "def " in realdata.text_kind("code") and ".. " in realdata.text_kind("technical")
