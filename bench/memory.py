@@ -391,12 +391,14 @@ def main() -> None:
             link.symlink_to(src)
             modes = ["auto", "auto#0.9GiB", "auto#4GiB", "auto@2#64GiB", "streamed", "whole"]
             result["smollm2"] = case("smollm2", link, config, 256, modes, baseline, text)
+        save(result, cases)  # after every case: a run cut short keeps what it measured
     if "qwen05b" in cases:
         with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
             src = Path(tmp) / "qwen2.5-0.5b-shape"
             config = write_synthetic(src, QWEN25_05B["num_hidden_layers"], base=QWEN25_05B)
             modes = ["auto", "auto#2.5GiB", "auto#8GiB", "streamed"]
             result["qwen05b"] = case("qwen05b", src, config, 256, modes, baseline, None)
+        save(result, cases)  # after every case: a run cut short keeps what it measured
     if "qwen15b" in cases:  # the real Qwen2.5-Coder-1.5B-Instruct, bfloat16 as published (fixtures/realdata.py)
         import realdata
 
@@ -407,6 +409,7 @@ def main() -> None:
             link.symlink_to(src)
             modes = ["auto", "auto#6GiB", "streamed"]
             result["qwen15b"] = case("qwen15b", link, config, 256, modes, baseline, _common.austen_file("emma"))
+        save(result, cases)  # after every case: a run cut short keeps what it measured
     if "llama8b" in cases:
         with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
             src = Path(tmp) / "llama3-8b-shape"
@@ -438,18 +441,17 @@ def main() -> None:
             f"llama8b full size (estimate): peak {est['estimate']['peak_bytes'] / GiB:.2f} GiB, "
             f"goal {est['goal_bytes'] / GiB:.2f} GiB, checkpoint {est['checkpoint_bytes'] / GiB:.1f} GiB"
         )
+    save(result, cases)
+
+
+def save(result: dict, cases: list[str]) -> None:
+    """Write `result` into bench/results/memory.json; the cases not run this time keep their last results."""
     path = _common.RESULTS / "memory.json"
-    if path.is_file():  # the cases not run this time keep their last results
+    if path.is_file():
         previous = json.loads(path.read_text())
-        result = {
-            **{
-                k: v
-                for k, v in previous.items()
-                if k in ("smollm2", "qwen05b", "qwen15b", "llama8b", "llama8b_full", "llama8b_full_estimate")
-            },
-            **result,
-        }
-        result["runs_of"] = {**previous.get("runs_of", {}), **{c: result["command"] for c in cases}}
+        kept = ("smollm2", "qwen05b", "qwen15b", "llama8b", "llama8b_full", "llama8b_full_estimate")
+        result = {**{k: v for k, v in previous.items() if k in kept}, **result}
+        result["runs_of"] = {**previous.get("runs_of", {}), **{c: result["command"] for c in cases if c in result}}
     _common.write_json(path, result)
 
 
