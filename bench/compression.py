@@ -115,6 +115,19 @@ def parse_args(argv=None):
         default=50,
         help="heal each compressed model this many steps (windows sized by the device) and judge it again; 0: one-shot only",
     )
+    p.add_argument(
+        "--calib-shipped",
+        choices=("default", "fiction", "technical", "code", "dialogue"),
+        default=None,
+        help="calibrate (and heal) on the package's shipped text (convert/corpus/) as `convert gqa2mla` reads it: "
+        "default = the mix of every kind (no --calib), else that kind alone (--calib KIND)",
+    )
+    p.add_argument(
+        "--shrinkage",
+        type=float,
+        default=None,
+        help="--shrinkage of every compressed mla row (default: the option's own)",
+    )
     p.add_argument("--heal-tokens", type=int, default=16384, help="tokens of the calibration text healed on")
     p.add_argument(
         "--nope-angles",
@@ -169,6 +182,22 @@ def token_ids(tokenizer, book: str, n: int, path: Path | None = None, kind: str 
     return torch.tensor(ids)[None]
 
 
+def shipped_ids(src: Path, vocab_size: int, which: str, n: int) -> torch.Tensor:
+    """The calibration ids `convert gqa2mla` reads from the shipped text: the mix of every kind
+    (`which` "default": no --calib) or one kind (--calib KIND), its first n (1, ≤n)."""
+    from types import SimpleNamespace
+
+    from convert.text import calibration_ids
+
+    source = SimpleNamespace(root=src, config={"vocab_size": vocab_size})
+    calib = None if which == "default" else [Path(which)]
+    return calibration_ids(source, SimpleNamespace(calib=calib, calib_tokens=n))
+
+
+def _shipped_name(args) -> str | None:
+    return None if args.calib_shipped is None else f"shipped:{args.calib_shipped}"
+
+
 def judging_sets(args, tokenizer) -> dict[str, torch.Tensor]:
     """The texts each row is judged on, by name, the first the table's: --eval-text's files (by stem), else
     --eval-book; then with --eval-kinds the judging part of each kind of text. Each (1, --eval-tokens)."""
@@ -195,10 +224,12 @@ def run_one(
     calibration="original",
     refine=None,
     fisher_tokens=convert.ConvertOptions.fisher_tokens,
+    shrinkage=None,
 ) -> tuple[dict, torch.nn.Module]:
     """One conversion of `model` in an MLA layout: (its row, the converted model)."""
     t0 = time.perf_counter()
     options = dict(layout=layout, kv_cache_ratio=ratio if ratio < 1 else None, calibration=calibration)
+    options |= {} if shrinkage is None else {"shrinkage": shrinkage}
     options |= {} if refine is None or method == "svd" else {"refine_steps": refine}
     options |= {} if nope_angle is None else {"nope_angle": nope_angle}
     if ratio < 1:
@@ -222,6 +253,7 @@ def run_one(
         "calibration": comp.get("calibration") or "original",
         "refine_steps": comp.get("refine_steps", 0),
         "refine_queries": comp.get("refine_queries"),
+        "shrinkage": comp.get("shrinkage", 0.0),
         "ppl": ppl,
         "convert_s": convert_s,
     }
@@ -335,8 +367,12 @@ def main(argv=None):
     src = MODELS[args.model][0]()
     tokenizer = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    calib_ids = token_ids(tokenizer, args.calib_book, args.calib_tokens, args.calib, args.calib_kind)
-    heal_ids = token_ids(tokenizer, args.calib_book, args.heal_tokens, args.calib, args.calib_kind)
+    if args.calib_shipped:
+        calib_ids = shipped_ids(src, model.config.vocab_size, args.calib_shipped, args.calib_tokens)
+        heal_ids = shipped_ids(src, model.config.vocab_size, args.calib_shipped, args.heal_tokens)
+    else:
+        calib_ids = token_ids(tokenizer, args.calib_book, args.calib_tokens, args.calib, args.calib_kind)
+        heal_ids = token_ids(tokenizer, args.calib_book, args.heal_tokens, args.calib, args.calib_kind)
     sets = judging_sets(args, tokenizer)
     eval_name, eval_ids = next(iter(sets.items()))
     bases = {name: perplexity(model, ids, args.window) for name, ids in sets.items()}
@@ -350,12 +386,12 @@ def main(argv=None):
         "goals": {layout: {str(share): goal for share, goal in g.items()} for layout, g in GOALS[args.model].items()},
         "judged_on": {name: {"tokens": ids.shape[-1], "original_ppl": bases[name]} for name, ids in sets.items()},
         "calib": {
-            "book": str(args.calib or args.calib_kind or args.calib_book),
+            "book": str(args.calib or args.calib_kind or _shipped_name(args) or args.calib_book),
             "tokens": calib_ids.shape[-1],
             "fisher_tokens": min(args.fisher_tokens, calib_ids.shape[-1]),
         },
         "heal": {
-            "book": str(args.calib or args.calib_kind or args.calib_book),
+            "book": str(args.calib or args.calib_kind or _shipped_name(args) or args.calib_book),
             "tokens": heal_ids.shape[-1],
             "steps": args.heal_steps,
         },
@@ -396,6 +432,7 @@ def main(argv=None):
                 calibration,
                 refine,
                 args.fisher_tokens,
+                args.shrinkage,
             )
         row["ppl_ratio"] = row["ppl"] / base
         row["target"] = GOALS[args.model].get(layout, {}).get(ratio)

@@ -14,7 +14,7 @@ import torch
 
 from convert.errors import ConvertError
 from convert.heap import release_freed_memory
-from convert.io import Checkpoint, CheckpointWriter, default_output, open_checkpoint, output_lock
+from convert.io import Checkpoint, CheckpointWriter, default_output, model_files, open_checkpoint, output_lock
 from convert.layouts import attention_view
 from convert.mla.format import AUX_FILES
 from convert.options import ConvertOptions, as_path
@@ -71,7 +71,7 @@ def to_mla(model, **options):
 
     model: a causal LM of a supported architecture (its `config` and `state_dict()`
     are read, nothing is changed). options: the fields of `ConvertOptions`, as for
-    `gqa2mla` (layout, rank, kv_cache_ratio, method, calib as a text path or token
+    `gqa2mla` (layout, rank, kv_cache_ratio, method, calib as text paths or token
     ids (1, N), ...); output and verification fields do not apply. Returns the same
     module, with the same weights, as `load_mla_model` returns for the directory
     `gqa2mla` writes from this model: on the model's device, in its dtype, in eval
@@ -115,8 +115,8 @@ def gqa2mla(src, output=None, **options) -> ConversionResult:
     start = time.perf_counter()
     src = as_path("src", src)
     output = as_path("output", output) if output is not None else default_output(src)
-    calib = opts.calib if isinstance(opts.calib, (str, Path)) else None
-    with memory_run(), open_checkpoint(src) as stored, output_lock(output, [src, opts.text, calib], opts.force):
+    inputs = [src, opts.text, *opts.calib_paths]
+    with memory_run(), open_checkpoint(src) as stored, output_lock(output, inputs, opts.force):
         source = attention_view(stored, stored.config)  # Phi-3: q/k/v split out of qkv_proj
         if opts.max_memory is not None and opts.target == "mla":  # refused before calibration and writing
             plan_memory_cap(_exact_plan(source, opts), stored.config or {}, opts)
@@ -154,6 +154,8 @@ def _write(source: Checkpoint, build: Build, writer: CheckpointWriter) -> None:
 
 
 def _copy_aux_files(source: Checkpoint, writer: CheckpointWriter) -> None:
+    for name, data in model_files(source.path).items():  # a GGUF's tokenizer, as a directory's files
+        writer.write_file(name, data)
     if not source.path.is_dir():
         return
     for name in AUX_FILES:

@@ -79,10 +79,10 @@ def gqa2mla(src, output, **options):
     converted attention is checked against the original and the report written
     beside the weights; a FAIL exits 1.
     """
-    check_options(ConvertOptions.from_kwargs(**options))  # refused before torch is imported; the API checks again
+    opts = ConvertOptions.from_kwargs(**options)
+    check_options(opts)  # refused before torch is imported; the API checks again
     _check_source(src, options.get("arch"))
-    calib = options.get("calib")
-    check_output(output or default_output(src), [src, options.get("text"), calib], options["force"])  # no torch
+    check_output(output or default_output(src), [src, opts.text, *opts.calib_paths], options["force"])  # no torch
     with opening(f"convert gqa2mla {src}", options["progress"]):  # a first line within seconds, off a terminal too
         _load_api()
         from convert.api import gqa2mla as run

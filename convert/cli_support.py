@@ -112,6 +112,8 @@ def click_option(f):
     kind = click.Choice(meta["choices"]) if meta["choices"] else (meta["kind"] or type(default))
     if kind is Path:
         kind = click.Path(path_type=Path)
+    if meta.get("multiple"):
+        return click.option(*decls, name, type=kind, multiple=True, **common)
     return click.option(*decls, name, type=kind, default=default, show_default=default is not None, **common)
 
 

@@ -327,7 +327,7 @@ def layer_weighting(spec: AttentionSpec, opts: ConvertOptions, stats, weights, l
     """The compression weighting of one layer (None: plain SVD)."""
     if stats is None:
         return None
-    return compress.layer_weighting(opts.resolved_method, weights, spec, opts.layout, stats[layer])
+    return compress.layer_weighting(opts.resolved_method, weights, spec, opts.layout, stats[layer], opts.shrinkage)
 
 
 # ------------------------------------------------------------------ from a config alone

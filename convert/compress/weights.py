@@ -13,19 +13,29 @@ from convert.transform import LayerWeights
 
 
 def layer_weighting(
-    method: str, w: LayerWeights, spec: AttentionSpec, layout: str, stats: LayerStats | None
+    method: str, w: LayerWeights, spec: AttentionSpec, layout: str, stats: LayerStats | None, shrinkage: float = 0.0
 ) -> Weighting | None:
-    """The weighting of `method` (svd, whitened, fisher) for one layer (None for plain SVD)."""
+    """The weighting of `method` (svd, whitened, fisher) for one layer (None for plain SVD), its
+    statistics shrunk by `shrinkage` toward data-free ones (`shrunk`)."""
     if method == "svd":
         return None
     affine_key = spec.rope and w.k_bias is not None
     key_moment = stats.augmented() if affine_key else stats.moment
     if spec.qk_norm is not None:  # the normed keys n are what is compressed (identity map on n)
         key_moment = stats.normed_key_moment
-    weighting = Weighting(key_moment=key_moment, value_moment=stats.moment)
+    weighting = Weighting(key_moment=shrunk(key_moment, shrinkage), value_moment=shrunk(stats.moment, shrinkage))
     if method == "whitened":
         return weighting
-    return _fisher_weighting(weighting, spec, layout, stats)
+    return _fisher_weighting(weighting, spec, layout, stats, shrinkage)
+
+
+def shrunk(m: torch.Tensor, alpha: float) -> torch.Tensor:
+    """(1 − α)·m + α·mean(diag m)·I: a second moment pulled toward the isotropic one of the same
+    trace, so that a direction the calibration text barely excited keeps a floor of weight (the
+    data-free weighting, plain SVD's, is α = 1)."""
+    if not alpha:
+        return m
+    return (1 - alpha) * m + alpha * m.diagonal().mean() * torch.eye(m.shape[0], dtype=m.dtype)
 
 
 def ridge(m: torch.Tensor, rel: float = 1e-6) -> torch.Tensor:
@@ -33,8 +43,11 @@ def ridge(m: torch.Tensor, rel: float = 1e-6) -> torch.Tensor:
     return m + rel * m.diagonal().mean() * torch.eye(m.shape[0], dtype=m.dtype)
 
 
-def _fisher_weighting(weighting: Weighting, spec: AttentionSpec, layout: str, stats: LayerStats) -> Weighting:
-    key_f, value_f = ridge(stats.key_fisher), ridge(stats.value_fisher)
+def _fisher_weighting(
+    weighting: Weighting, spec: AttentionSpec, layout: str, stats: LayerStats, shrinkage: float
+) -> Weighting:
+    key_f = ridge(shrunk(stats.key_fisher, shrinkage))
+    value_f = ridge(shrunk(stats.value_fisher, shrinkage))
     if spec.rope and layout == "absorbed":
         d = spec.head_dim
         weighting.key_pairs = hermitian_pair_weights(key_f, spec.n_kv_heads)  # (d/2, G, G)

@@ -6,67 +6,21 @@ samples of its share of each global batch (`rank_samples`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
-from datasets import load_dataset
 
 from convert.errors import ConvertError
-from convert.text import model_tokenizer
+from convert.text import documents, read_tokens, token_stream, tokenizer_of
 
-#: File suffix -> the `datasets` builder that reads it (one document per file for text).
-BUILDERS = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-
-
-def documents(paths, text_field: str = "text") -> Iterator[str]:
-    """The documents of `paths`, in order, streamed: a text file is one document; a JSONL or Parquet
-    file one per row (its `text_field` column). Nothing is loaded whole or cached."""
-    for path in map(Path, paths):
-        builder = BUILDERS.get(path.suffix.lower())
-        if builder is None:
-            raise ConvertError(f"--text {path}: unknown kind of file; give .txt/.md (UTF-8), .jsonl/.json or .parquet")
-        if not path.is_file():
-            raise ConvertError(f"--text {path}: no such file; give a UTF-8 text, JSONL or Parquet file")
-        extra = {"sample_by": "document", "encoding_errors": "replace"} if builder == "text" else {}
-        rows = load_dataset(builder, data_files=[str(path)], split="train", streaming=True, **extra)
-        field = "text" if builder == "text" else text_field
-        for row in rows:
-            if field not in row:
-                raise ConvertError(
-                    f"--text {path}: no field {field!r} in its rows (fields: {', '.join(sorted(row))}); "
-                    "name the text's field with --text-field"
-                )
-            text = row[field]
-            if text:
-                yield str(text)
-
-
-def tokenizer_of(model_root: Path | None, vocab_size: int) -> Callable[[str], list[int]]:
-    """Text -> token ids, end-of-sequence appended: the model directory's own tokenizer, or for a
-    checkpoint without one (a random fixture) its UTF-8 bytes mod `vocab_size`."""
-    tokenizer = None if model_root is None else model_tokenizer(model_root)
-    if tokenizer is None:
-        return lambda text: [b % vocab_size for b in text.encode("utf-8")]
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    return lambda text: list(tokenizer(text)["input_ids"]) + eos
-
-
-def token_stream(paths, tokenize, text_field: str = "text") -> Iterator[int]:
-    """The token ids of every document of `paths`, one after the other."""
-    for document in documents(paths, text_field):
-        yield from tokenize(document)
-
-
-def read_tokens(paths, tokenize, n_tokens: int, what: str, text_field: str = "text") -> torch.Tensor:
-    """The first `n_tokens` token ids (1, N) of `paths`' documents (reading stops there)."""
-    ids = []
-    for token in token_stream(paths, tokenize, text_field):
-        ids.append(token)
-        if len(ids) == n_tokens:
-            break
-    if len(ids) < 2:
-        raise ConvertError(f"{what}: fewer than 2 tokens; give a longer text")
-    return torch.tensor(ids)[None]
+__all__ = [
+    "WindowsInMemory",
+    "WindowsStreamed",
+    "documents",
+    "rank_samples",
+    "read_tokens",
+    "token_stream",
+    "tokenizer_of",
+]
 
 
 def rank_samples(step: int, global_batch: int, rank: int, world: int) -> range:

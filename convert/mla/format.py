@@ -2,7 +2,6 @@
 `model_type: convert_mla`, plus the `mla` section) and the model-directory files that travel with
 the weights (docs/design.md, "Output format"). `convert.mla.schema` checks what this writes."""
 
-from pathlib import Path
 
 from convert._version import __version__
 
@@ -82,10 +81,8 @@ def _compression_section(plan, opts) -> dict | None:
     """How a lossy conversion spent its cache budget (None when exact)."""
     if not opts.lossy:
         return None
-    calib = (
-        opts.calib if opts.calib is None or isinstance(opts.calib, (str, Path)) else f"{opts.calib.shape[-1]} token ids"
-    )
-    refined = opts.refine_steps if calib is not None and opts.resolved_method != "svd" else 0
+    calib = opts.calibration_names  # None: weight SVD reads no text
+    refined = opts.refine_steps if calib is not None else 0
     return {
         "method": opts.resolved_method,
         "allocation": opts.resolved_allocation if opts.rank is None else "uniform",
@@ -95,7 +92,8 @@ def _compression_section(plan, opts) -> dict | None:
         "cache_dims": plan.cache_dims,
         "gqa_cache_dims": plan.gqa_cache_dims,
         "achieved_ratio": plan.cache_dims / plan.gqa_cache_dims,
-        "calib": None if calib is None else str(calib),
+        "calib": calib,
+        "shrinkage": opts.shrinkage if calib is not None else None,
         "calib_tokens": opts.calib_tokens if calib is not None else None,
         "fisher_tokens": opts.fisher_tokens if calib is not None and opts.resolved_method == "fisher" else None,
         "calibration": opts.resolved_calibration if calib is not None else None,

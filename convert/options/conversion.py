@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from convert.arch.registry import HEAD_MAPS
+from convert.corpus import KINDS, shipped_kind
 from convert.errors import ConvertError
 from convert.options.fields import (
     ALLOCATIONS,
@@ -72,6 +73,13 @@ class VerifyOptions(FromKwargs):
         "if more), never more than the memory free. The report states the cap and the peak measured.",
         group="verification",
         kind=str,
+    )
+    calibrated_on: list | None = option(
+        None,
+        "What the conversion was calibrated on (`ConvertOptions.calibration_names`), for the report's warning "
+        "when it judges on the same kind; None: not known (a separate `convert verify`).",
+        group="verification",
+        cli=False,
     )
     e2e: str = option(
         "auto",
@@ -157,8 +165,8 @@ class ConvertOptions(VerifyOptions):
     )
     kv_cache_ratio: float | None = option(
         None,
-        "Keep this fraction of the GQA KV cache (e.g. 0.5). Needs --calib FILE (or --method svd, far worse), "
-        "and --text + --max-ppl-ratio for verification (or --no-verify).",
+        "Keep this fraction of the GQA KV cache (e.g. 0.5), calibrated on --calib (default: the shipped mix) and "
+        "judged by the perplexity ratio on each kind of text against --max-ppl-ratio (or --no-verify).",
         group="compression",
         kind=float,
     )
@@ -173,15 +181,18 @@ class ConvertOptions(VerifyOptions):
         None,
         "plain weight SVD; activation-whitened SVD; whitened + weighted by the loss's Fisher "
         "information of each key/value output (one backward pass on --calib, one decoder layer in memory at a "
-        "time). whitened and fisher need --calib. Default: fisher with --calib, else svd.",
+        "time). Default: fisher (svd for a checkpoint no transformers model runs, e.g. the seed's).",
         group="compression",
         choices=METHODS,
     )
-    calib: Path | torch.Tensor | None = option(
+    calib: Path | list | torch.Tensor | None = option(
         None,
-        "Real text to calibrate the compression on (UTF-8); use a different text for --text.",
+        "Text to calibrate the compression on: UTF-8 .txt/.md, .jsonl or .parquet (a 'text' field); repeat for "
+        "several files, a window of each in turn. A name fiction, technical, code or dialogue (no such file) "
+        "is that kind of the shipped text. Default: the shipped mix of all four (convert/corpus/SOURCES.md).",
         group="compression",
         kind=Path,
+        multiple=True,
     )
     calib_tokens: int = option(
         16384,
@@ -229,6 +240,14 @@ class ConvertOptions(VerifyOptions):
         "of the window's 1,024; CUDA: all).",
         group="compression",
         kind=int,
+    )
+    shrinkage: float = option(
+        0.0,
+        "Pull the calibration statistics (input moments, Fisher information) this far toward isotropic ones of "
+        "the same trace before factoring (0: as measured; 1: plain weight SVD), so directions the calibration "
+        "text barely excited keep some weight (docs/compression.md, 'Text unlike the calibration').",
+        group="compression",
+        kind=float,
     )
     nope_angle: float = option(
         3.0,
@@ -278,6 +297,8 @@ class ConvertOptions(VerifyOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if isinstance(self.calib, (list, tuple)):  # the CLI's repeated --calib; none given: the default
+            self.calib = [Path(p) for p in self.calib] or None
         choice("--target", self.target, TARGETS)
         choice("--layout", self.layout, LAYOUTS)
         choice("--latent", self.latent, LATENTS)
@@ -297,8 +318,13 @@ class ConvertOptions(VerifyOptions):
         return self.rank is not None or (self.kv_cache_ratio is not None and self.kv_cache_ratio < 1)
 
     @property
+    def calib_paths(self) -> list[Path]:
+        """The --calib paths given (none for the shipped text or token ids): inputs an output must not replace."""
+        return list(self.calib) if isinstance(self.calib, list) else []
+
+    @property
     def resolved_method(self) -> str:
-        return self.method or ("fisher" if self.calib is not None else "svd")
+        return self.method or "fisher"
 
     @property
     def resolved_calibration(self) -> str:
@@ -323,10 +349,6 @@ class ConvertOptions(VerifyOptions):
             raise ConvertError(
                 f"--kv-cache-ratio {self.kv_cache_ratio} must be in (0, 1], e.g. 0.5 keeps half the GQA cache"
             )
-        if self.resolved_method != "svd" and self.calib is None and self.lossy:
-            raise ConvertError(
-                f"--method {self.resolved_method} weights the error by real inputs: pass --calib FILE (a text)"
-            )
         if self.allocation == "global" and self.rank is not None:
             raise ConvertError(
                 "--allocation global spends a --kv-cache-ratio budget; with --rank every latent has that rank"
@@ -340,9 +362,9 @@ class ConvertOptions(VerifyOptions):
         if self.calibration is not None:
             choice("--calibration", self.calibration, CALIBRATIONS)
         if self.calibration == "sequential" and self.lossy and self.resolved_method == "svd":
-            raise ConvertError(
-                "--calibration sequential refits on calibration text: pass --calib FILE (method whitened or fisher)"
-            )
+            raise ConvertError("--calibration sequential refits on calibration text: use --method whitened or fisher")
+        if not 0 <= self.shrinkage <= 1:
+            raise ConvertError(f"--shrinkage {self.shrinkage} must be in [0, 1] (0: the statistics as measured)")
         if not self.nope_angle >= 0:
             raise ConvertError(f"--nope-angle {self.nope_angle} must be a non-negative angle in radians (0: off)")
         if self.calib_tokens < 2:
@@ -355,27 +377,32 @@ class ConvertOptions(VerifyOptions):
             raise ConvertError(f"--refine-queries {self.refine_queries} must be at least 1 (query positions a step)")
         if self.refine_steps and self.lossy and self.resolved_method == "svd":
             raise ConvertError(
-                "--refine-steps fits each layer to its attention output on calibration text: pass --calib FILE "
-                "(method whitened or fisher), or --refine-steps 0"
-            )
-
-    def check_calibrated(self) -> None:
-        """Compression picks its method on purpose: calibration text, or an explicit --method svd."""
-        if self.lossy and self.method is None and self.calib is None:
-            raise ConvertError(
-                "compressing below the exact rank needs calibration text: pass --calib FILE (a text unlike --text; "
-                "the fisher method, the best measured), or --method svd to accept plain weight SVD, which loses "
-                "far more (perplexity ×100s on real models)"
+                "--refine-steps fits each layer to its attention output on calibration text: use --method whitened "
+                "or fisher, or --refine-steps 0"
             )
 
     def check_verifiable(self) -> None:
-        """A lossy conversion is judged by perplexity on real text: both must be given."""
-        if self.lossy and self.verify and (self.max_ppl_ratio is None or self.text is None):
+        """A lossy conversion is judged by its perplexity ratio: the bound must be given."""
+        if self.lossy and self.verify and self.max_ppl_ratio is None:
             raise ConvertError(
-                "a compressed conversion is lossy: verification judges it by perplexity on real text, so pass "
-                "--text FILE and --max-ppl-ratio R (e.g. 1.2), or --no-verify"
+                "a compressed conversion is lossy: verification judges it by the perplexity ratio on each kind of "
+                "text (the shipped held-out text, and --text FILE when given), so pass --max-ppl-ratio R (e.g. "
+                "1.5), or --no-verify"
             )
 
+    @property
+    def calibration_names(self) -> list[str] | None:
+        """What a compression calibrates on, for its report: the shipped kinds by name, files by file
+        name (None: an exact conversion, or one by weight SVD, reads no text)."""
+        if not self.lossy or self.resolved_method == "svd":
+            return None
+        if self.calib is None:
+            return list(KINDS)
+        if not isinstance(self.calib, list):
+            return ["token ids given"]
+        return [shipped_kind(p) or Path(p).name for p in self.calib]
+
     def verify_options(self) -> VerifyOptions:
-        """The verification part of these options."""
-        return VerifyOptions(**{f.name: getattr(self, f.name) for f in fields(VerifyOptions)})
+        """The verification part of these options, with what the compression was calibrated on."""
+        given = {f.name: getattr(self, f.name) for f in fields(VerifyOptions) if f.name != "calibrated_on"}
+        return VerifyOptions(**given, calibrated_on=self.calibration_names)

@@ -63,7 +63,8 @@ class Flag:
 
     flag: the long flag (default `--field-name`); off_flag: for a boolean whose CLI flag switches
     it off (`verify` <- `--no-verify`); kind: the click value type when it differs from the
-    default's (Path, int, float, str); cli: False for an option of the Python API alone.
+    default's (Path, int, float, str); multiple: the flag may be repeated (the values as a tuple); cli:
+    False for an option of the Python API alone.
     """
 
     choices: tuple | None = None
@@ -71,6 +72,7 @@ class Flag:
     short: str | None = None
     off_flag: str | None = None
     kind: type | None = None
+    multiple: bool = False
     cli: bool = True
 
 
@@ -130,6 +132,7 @@ _TYPES = {
     "str": ((str,), "a str"),
     "bool": ((bool,), "True or False"),
     "Path": ((str, os.PathLike), "a path"),
+    "list": ((list, tuple), "a list of paths"),
     "None": ((type(None),), "None"),
 }
 
@@ -142,6 +145,8 @@ def _check_type(name: str, value, annotation: str) -> None:
         return
     accepted = [_TYPES[kind] for kind in kinds if kind in _TYPES]
     ok = any(isinstance(value, types) for types, _ in accepted)
+    if isinstance(value, (list, tuple)) and "list" in kinds:  # a list of paths: each one a path
+        ok = all(isinstance(item, (str, os.PathLike)) for item in value)
     if isinstance(value, bool) and "bool" not in kinds:
         ok = False  # True is an int to Python, not a count or a ratio
     if not ok:

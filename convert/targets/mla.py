@@ -104,7 +104,8 @@ def _plan(source, config: dict | None, opts: ConvertOptions, verifying: bool):
     """
     spec = resolve_spec(source, config, opts)
     opts = check_rank(source, spec, opts)
-    opts.check_calibrated()
+    if opts.lossy and opts.method is None and spec.arch.hf_attention is None:
+        opts = dataclasses.replace(opts, method="svd")  # no model to run text through: weight SVD, as documented
     if verifying:
         opts.check_verifiable()
     stats = _calibration(source, spec, opts)
@@ -120,7 +121,8 @@ def _calibration(source, spec: AttentionSpec, opts: ConvertOptions):
         return None
     if spec.arch.hf_attention is None:
         raise ConvertError(
-            f"--calib needs a transformers architecture to run; {spec.arch.name} has none: use --method svd"
+            f"--method {opts.resolved_method} runs calibration text through the model; {spec.arch.name} has no "
+            "transformers architecture to run: use --method svd"
         )
     config = source.config or {}
     source = getattr(source, "module_source", source)  # as the original model's modules read it (Phi-3: unsplit)

@@ -29,7 +29,7 @@ from convert.options import VerifyOptions, dtype_name
 from convert.progress import phase, progress
 from convert.sizes import gib
 from convert.targets import TARGETS, load_output, output_target, written_by
-from convert.text import model_tokenizer, text_token_ids
+from convert.text import judging_ids, model_tokenizer, text_token_ids
 from convert.verify.decision import check, coarsest, decide, thresholds
 from convert.verify.e2e import GREEDY_NEW, GREEDY_PROMPT, end_to_end, greedy_in_turn, streamed_end_to_end
 from convert.verify.layers import check_hf_layers, check_seed_layers
@@ -135,6 +135,9 @@ def _verify_with(original, converted, opts: VerifyOptions) -> dict:
     timings = _Timings()
     run_device = opts.torch_device
     config, mla = read_mla_config(converted)
+    if opts.calibrated_on is None:  # a separate `convert verify`: what the conversion recorded
+        calib = ((config.get("mla") or {}).get("compression") or {}).get("calib")
+        opts = dataclasses.replace(opts, calibrated_on=calib if isinstance(calib, list) else None)
     with open_checkpoint(original) as stored, open_checkpoint(converted) as conv:
         orig = module_layout(stored, config)  # Mixtral: experts stacked, as the converted checkpoint holds them
         _check_same_source(orig, config, converted)
@@ -147,12 +150,12 @@ def _verify_with(original, converted, opts: VerifyOptions) -> dict:
         run = VerifyRun(orig, conv, config, run_device, run_dtype, twin, ckpt_dtype, mla)
         runnable = mla.source_architecture != "seed"
         with timings("tokens"):
-            ids = _token_ids(text, orig, config, tokens, runnable)
+            ids, segments = _judged_ids(text, orig, config, tokens, runnable, limits)
         cap = _memory_cap(opts, run, tokens if ids is None else ids.shape[-1])  # refused here, before any check
         bar = lambda it: progress(it, "verifying", "layer", opts.progress)
         with timings("layers"):
             layers = (
-                check_hf_layers(run, ids if text else None, tokens, bar)
+                check_hf_layers(run, ids if text or segments else None, tokens, bar)
                 if runnable
                 else check_seed_layers(run, tokens, bar)
             )
@@ -160,24 +163,24 @@ def _verify_with(original, converted, opts: VerifyOptions) -> dict:
         e2e, skipped = None, "the source architecture has no transformers causal LM" if not runnable else None
         if runnable:
             with timings("end_to_end"), phase("end-to-end check", opts.progress):
-                e2e = _end_to_end(opts, run, converted, ids, cap)
+                e2e = _end_to_end(opts, run, converted, ids, cap, segments)
         with timings("checksums"), phase("checksums of the inputs", opts.progress):
-            inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(text, ids)}
+            inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(text, ids, segments)}
     found = _Findings(layers, e2e, skipped, inputs, timings.close(), (copied,))
     return _report(opts, run_dtype, limits, found, cap)
 
 
-def _end_to_end(opts: VerifyOptions, run: VerifyRun, converted, ids, cap: MemoryCap) -> dict:
+def _end_to_end(opts: VerifyOptions, run: VerifyRun, converted, ids, cap: MemoryCap, segments=None) -> dict:
     """The end-to-end figures: both whole models at once (--e2e whole, or auto when the room under the
     memory cap and the free memory, less a margin, holds them), else streamed a decoder layer at a
     time, with (auto) greedy generation from each whole model in turn when one fits, else streamed
     as well; the twin's as the `floor` when there is one. converted: the converted directory (greedy
-    generation loads it whole)."""
+    generation loads it whole); segments: the texts `ids` holds, each judged on its own (`by_text`)."""
     orig, conv, config, device = run.original, run.converted, run.config, run.device
     tokenizer = model_tokenizer(orig.root)
     if opts.e2e == "whole" or (opts.e2e == "auto" and _whole_models_fit(run, ids, cap)):
         load = lambda device, dtype: load_mla_model(converted, device=device, dtype=dtype)
-        return end_to_end(run, load, ids, tokenizer)
+        return end_to_end(run, load, ids, tokenizer, segments)
     greedy, why = None, "greedy generation needs a whole model with a KV cache, and --e2e streamed keeps to one layer"
     if opts.e2e == "auto":
         greedy_dtype = opts.greedy_dtype(run.ckpt_dtype)
@@ -190,7 +193,7 @@ def _end_to_end(opts: VerifyOptions, run: VerifyRun, converted, ids, cap: Memory
             eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
             ref, got = greedy_streamed(single, ids.to(device), GREEDY_PROMPT, GREEDY_NEW, eos)
             greedy = (ref, got, greedy_dtype, f"streamed: one whole model does not fit ({need})")
-    return streamed_end_to_end(run, ids, greedy, why, tokenizer)
+    return streamed_end_to_end(run, ids, greedy, why, tokenizer, segments)
 
 
 def _check_same_source(orig, config: dict, converted) -> None:
@@ -260,10 +263,11 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
     device = opts.torch_device
     with open_checkpoint(original) as orig, open_checkpoint(exported) as conv:
         config = orig.config or {}
-        with timings("tokens"):
-            ids = _token_ids(opts.text, orig, config, opts.tokens, True)
         ckpt_dtype = conv.dtype(conv.keys()[0])
         dtype = opts.run_dtype(ckpt_dtype)
+        limits = thresholds(coarsest(dtype, ckpt_dtype, torch.float32), opts.max_ppl_ratio)
+        with timings("tokens"):
+            ids, segments = _judged_ids(opts.text, orig, config, opts.tokens, True, limits)
         needed = whole_model_memory_bytes(orig.total_bytes(), orig.dtype(orig.keys()[0]), dtype)
         cap = memory_cap(opts.max_memory_bytes, orig.total_bytes(), needed, "verifying an export (both whole models)")
         fits, why = _within(needed, device, cap)
@@ -272,14 +276,17 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
                 f"verifying an export loads both whole models, which do not fit ({why}); use --no-verify"
             )
         export = (conv.config or {}).get("convert_export", {})
-        limits = thresholds(coarsest(dtype, ckpt_dtype, torch.float32), opts.max_ppl_ratio)
         twin = twin_view(orig, config) if limits["noise_floor"] else None
         run = VerifyRun(orig, conv, config, device, dtype, twin, ckpt_dtype)
         load = lambda device, dtype: load_export(exported, device, dtype)
         with timings("end_to_end"), phase("end-to-end check", opts.progress):
-            e2e = end_to_end(run, load, ids, model_tokenizer(orig.root))
+            e2e = end_to_end(run, load, ids, model_tokenizer(orig.root), segments)
         with timings("checksums"), phase("checksums of the inputs", opts.progress):
-            inputs = {"original": _files(orig), "converted": _files(conv), "text": _text_input(opts.text, ids)}
+            inputs = {
+                "original": _files(orig),
+                "converted": _files(conv),
+                "text": _text_input(opts.text, ids, segments),
+            }
     report = _report(opts, dtype, limits, _Findings([], e2e, None, inputs, timings.close()), cap)
     section = output_target(conv.config or {}).report(export, e2e, ckpt_dtype)
     if section is not None:
@@ -313,6 +320,7 @@ def _report(opts: VerifyOptions, run_dtype, limits: dict, found: _Findings, cap:
             "device": opts.device,
             "dtype": opts.dtype,
             "max_ppl_ratio": opts.max_ppl_ratio,
+            "calibrated_on": opts.calibrated_on,
             "e2e": opts.e2e,
             "max_memory": opts.max_memory_bytes,
         },
@@ -394,10 +402,27 @@ def _token_ids(text, orig, config: dict, tokens: int, runnable: bool) -> torch.T
     return torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
 
 
-def _text_input(text, ids) -> dict | None:
-    if not text:
+def _judged_ids(text, orig, config: dict, tokens: int, runnable: bool, limits: dict) -> tuple:
+    """(token ids (1, N) or None, segments or None): what the run is checked on. An exact conversion:
+    --text's first `tokens` (or random ones). A lossy one (judged by perplexity): --text's (when
+    given) then the shipped held-out text of every kind (`convert.text.judging_ids`), `tokens` each,
+    one after the other; segments [(name, tokens), ...] name them, each judged on its own."""
+    if not runnable or limits["max_ppl_ratio"] is None:
+        return _token_ids(text, orig, config, tokens, runnable), None
+    vocab = config["vocab_size"]
+    parts = {f"--text {Path(text).name}": text_token_ids(Path(text), orig.root, vocab, tokens)} if text else {}
+    parts |= judging_ids(orig.root, vocab, tokens)
+    segments = [(name, ids.shape[-1]) for name, ids in parts.items()]
+    return torch.cat(list(parts.values()), dim=-1), segments  # (1, Σ tokens)
+
+
+def _text_input(text, ids, segments=None) -> dict | None:
+    """The report's record of the text read: --text's file and digest, and the shipped kinds judged."""
+    if not text and not segments:
         return None
-    return {"path": str(text), "sha256": _sha256(Path(text)), "tokens": int(ids.shape[-1])}
+    shipped = [name for name, _ in segments or [] if not name.startswith("--text")]
+    given = {"path": str(text), "sha256": _sha256(Path(text))} if text else {}
+    return given | {"tokens": int(ids.shape[-1]), "shipped_kinds": shipped or None}
 
 
 def verify(src, converted_dir, opts) -> dict:

@@ -10,6 +10,7 @@ from convert.mla.model import cache_bytes_per_token, load_mla_model
 from convert.options import dtype_name
 from convert.verify import streamed
 from convert.verify.run import VerifyRun
+from convert.verify.streamed import by_segment, segment_windows
 
 GREEDY_PROMPT, GREEDY_NEW = 8, 32
 
@@ -39,13 +40,15 @@ def perplexity(model, ids: torch.Tensor, window: int = 1024) -> float:
     return float(torch.cat(nll).mean().exp())
 
 
-def compare_models(ref_model, mla_model, ids: torch.Tensor, window: int = 1024) -> dict:
-    """Logit agreement and perplexity of two models on `ids` (1, N), window by window."""
+def compare_models(ref_model, mla_model, ids: torch.Tensor, window: int = 1024, segments=None) -> dict:
+    """Logit agreement and perplexity of two models on `ids` (1, N), window by window; with
+    `segments` (`segment_windows`) each text's perplexities too, as `by_text`."""
     sq_diff = sq_ref = kl_sum = kl_max = max_abs = agree = 0.0
     nll_ref, nll_got = [], []
+    spans = segment_windows(ids.shape[-1], window, segments)
     with torch.no_grad():
-        for start in range(0, ids.shape[-1], window):
-            chunk = ids[:, start : start + window]  # (1, ≤window)
+        for start, stop, _ in spans:
+            chunk = ids[:, start:stop]  # (1, ≤window)
             ref, got = ref_model(chunk).logits.double(), mla_model(chunk).logits.double()  # (1, L, V)
             logp_ref, logp_got = torch.log_softmax(ref[0], -1), torch.log_softmax(got[0], -1)
             kl = (logp_ref.exp() * (logp_ref - logp_got)).sum(-1)  # (L,)
@@ -57,10 +60,9 @@ def compare_models(ref_model, mla_model, ids: torch.Tensor, window: int = 1024) 
                 max(kl_max, float(kl.max())),
             )
             agree += float((ref.argmax(-1) == got.argmax(-1)).sum())
-            if chunk.shape[-1] > 1:
-                nll_ref.append(_nll(ref, chunk))
-                nll_got.append(_nll(got, chunk))
-    n = ids.shape[-1]
+            nll_ref.append(_nll(ref, chunk))  # empty for a one-token window
+            nll_got.append(_nll(got, chunk))
+    n, texts = ids.shape[-1], by_segment(segments, spans, nll_ref, nll_got)
     nll_ref, nll_got = torch.cat(nll_ref), torch.cat(nll_got)
     ppl_ref, ppl_got = float(nll_ref.mean().exp()), float(nll_got.mean().exp())
     return {
@@ -75,10 +77,11 @@ def compare_models(ref_model, mla_model, ids: torch.Tensor, window: int = 1024) 
         "ppl_converted": ppl_got,
         "ppl_ratio": ppl_got / ppl_ref,
         "nll_abs_diff_mean": float((nll_got - nll_ref).abs().mean()),  # |log ppl ratio| is at most this
+        "by_text": texts,
     }
 
 
-def end_to_end(run: VerifyRun, load_converted, ids: torch.Tensor, tokenizer=None) -> dict:
+def end_to_end(run: VerifyRun, load_converted, ids: torch.Tensor, tokenizer=None, segments=None) -> dict:
     """Compare the whole original and converted models on `ids` (1, N).
 
     load_converted(device, dtype): the converted model (MLA, or an export target's).
@@ -91,7 +94,7 @@ def end_to_end(run: VerifyRun, load_converted, ids: torch.Tensor, tokenizer=None
     ref_model = load_original(run.original, config, device, dtype)
     mla_model = load_converted(device, dtype)
     ids = ids.to(device)
-    result = compare_models(ref_model, mla_model, ids)
+    result = compare_models(ref_model, mla_model, ids, segments=segments)
     result |= greedy_fields(_greedy(ref_model, ids), _greedy(mla_model, ids), ids, tokenizer, dtype)
     result |= {
         "kv_cache_bytes_per_token_original": cache_bytes_per_token(ref_model, as_dtype=ckpt_dtype),
@@ -106,7 +109,7 @@ def end_to_end(run: VerifyRun, load_converted, ids: torch.Tensor, tokenizer=None
         del mla_model
         release_freed_memory()
         floor = compare_models(ref_model, load_original(run.twin, config, device, dtype), ids)
-        result["floor"] = {k: v for k, v in floor.items() if k not in ("tokens", "window")}
+        result["floor"] = {k: v for k, v in floor.items() if k not in ("tokens", "window", "by_text")}
     return result
 
 
@@ -142,16 +145,21 @@ def greedy_in_turn(original: Checkpoint, converted, config: dict, ids: torch.Ten
 
 
 def streamed_end_to_end(
-    run: VerifyRun, ids: torch.Tensor, greedy: tuple | None = None, why: str | None = None, tokenizer=None
+    run: VerifyRun,
+    ids: torch.Tensor,
+    greedy: tuple | None = None,
+    why: str | None = None,
+    tokenizer=None,
+    segments=None,
 ) -> dict:
     """`end_to_end`'s report with the models streamed one decoder layer at a time
     (`convert.verify.streamed`). Greedy generation needs a whole model with a KV cache:
     `greedy` holds (the original's tokens, the converted's, the dtype[, how they were generated]) of
     `greedy_in_turn` or `greedy_streamed` when one ran, else `greedy_skipped` says `why`; with
-    a twin, the twin runs as a third stream and its figures are the `floor`."""
+    a twin, the twin runs as a third stream and its figures are the `floor`; `segments` as `end_to_end`'s."""
     greedy_ref, greedy_got, greedy_dtype, *how = greedy or (None, None, None)
     ckpt_dtype = run.ckpt_dtype
-    result = streamed.compare_streamed(run, ids.to(run.device))
+    result = streamed.compare_streamed(run, ids.to(run.device), segments=segments)
     cache_original, cache_converted = streamed.cache_bytes_per_token(run.mla, ckpt_dtype)
     return (
         result

@@ -46,6 +46,7 @@ def render_markdown(report: dict) -> str:
         f"- converted: `{report['inputs']['converted']['path']}`",
         f"- device: {report['device']['type']} ({report['device']['name']}), run dtype {report['dtype']}",
         f"- inputs: {_input_line(report)}",
+        *_calibration_line(report),
         *_memory_line(report),
         "",
     ]
@@ -71,7 +72,7 @@ def render_markdown(report: dict) -> str:
             "None: an export target's layers are its runtime's own modules; it is checked end to end.",
             "",
         ]
-        return "\n".join(lines + _e2e_lines(report) + ["", _timings_line(report)]) + "\n"
+        return "\n".join(lines + _by_text_lines(report) + _e2e_lines(report) + ["", _timings_line(report)]) + "\n"
     floor = report["layers"][0].get("floor_rel_error") is not None
     lines += [
         "## Per layer" + (" (information: a lossy conversion is judged by perplexity)" if lossy else ""),
@@ -87,9 +88,60 @@ def render_markdown(report: dict) -> str:
         twin = f" {r['floor_rel_error']:.2e} | {r['rel_error'] / r['floor_rel_error']:.2f} |" if floor else ""
         lines.append(f"| {r['layer']} | {ranks} | {r['rel_error']:.2e} | {r['max_abs_error']:.2e} |{twin} {energy} |")
     lines += ["", "![per-layer error](verification_layers.png)", ""] if report.get("plot") else [""]
+    lines += _by_text_lines(report)
     lines += _e2e_lines(report)
     lines += ["", _timings_line(report)]
     return "\n".join(lines) + "\n"
+
+
+def _by_text_lines(report: dict) -> list[str]:
+    """A lossy conversion's perplexity on each text judged, the worst first, and the warnings."""
+    rows = (report.get("end_to_end") or {}).get("by_text")
+    if not rows:
+        return []
+    lines = [
+        "## Perplexity by kind of text",
+        "",
+        "| text | tokens | original | converted | × |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in sorted(rows, key=lambda r: -r["ppl_ratio"]):
+        lines.append(
+            f"| {r['text']} | {r['tokens']} | {r['ppl_original']:.4g} | {r['ppl_converted']:.4g} | {r['ppl_ratio']:.4f} |"
+        )
+    return lines + [""] + [f"- {w}" for w in text_warnings(report)] + [""]
+
+
+def text_warnings(report: dict) -> list[str]:
+    """What a lossy conversion's report says of its texts: the worst kind, and when the calibration
+    and the judging text are of one kind (their figures flatter it) or of kinds it cannot tell."""
+    rows = (report.get("end_to_end") or {}).get("by_text")
+    if not rows:
+        return []
+    worst = max(rows, key=lambda r: r["ppl_ratio"])
+    out = [f"worst: {worst['text']}, perplexity ×{worst['ppl_ratio']:.3f} the original's"]
+    calibrated = report["options"].get("calibrated_on")
+    if not calibrated:
+        return out + ["what the compression was calibrated on is not known here (a separate `convert verify`)"]
+    shipped = {r["text"]: r for r in rows if not r["text"].startswith("--text")}
+    own = [name for name in calibrated if name not in shipped]
+    given = report["options"].get("text")
+    if given and Path(given).name in own:
+        out.append(f"--text {Path(given).name} is also calibration text: judged on what it was fitted to, it flatters")
+    if len(calibrated) == 1 and calibrated[0] in shipped:
+        kind = calibrated[0]
+        others = [r for name, r in shipped.items() if name != kind]
+        other = max(others, key=lambda r: r["ppl_ratio"])
+        out.append(
+            f"calibrated on one kind of text ({kind}): ×{shipped[kind]['ppl_ratio']:.3f} on {kind}, the calibration's "
+            f"own kind, up to ×{other['ppl_ratio']:.3f} on another ({other['text']}); calibrate on the shipped mix "
+            "(no --calib) or on text like what the model will be sent"
+        )
+    elif own:
+        out.append(
+            f"calibrated on {', '.join(own)}: of kinds not known here; the shipped kinds above are judged as well"
+        )
+    return out
 
 
 def _timings_line(report: dict) -> str:
@@ -129,14 +181,18 @@ def summary_lines(report: dict) -> list[str]:
     e2e = report.get("end_to_end")
     if e2e and "greedy_match" in e2e:
         lines.append(f"  greedy continuation identical: {_greedy_cell(e2e)}")
-    return lines
+    return lines + [f"  note: {w}" for w in text_warnings(report)]
 
 
 def _input_line(report: dict) -> str:
     text = report["inputs"]["text"]
     if text is None:
         return f"random hidden states / tokens ({report['options']['tokens']} tokens)"
-    return f"text `{text['path']}` ({text['tokens']} tokens, real hidden states)"
+    shipped = text.get("shipped_kinds")
+    parts = ([f"text `{text['path']}`"] if text.get("path") else []) + (
+        [f"the shipped held-out text ({', '.join(shipped)})"] if shipped else []
+    )
+    return f"{' and '.join(parts)} ({text['tokens']} tokens, real hidden states)"
 
 
 def _e2e_lines(report: dict) -> list[str]:
@@ -181,6 +237,11 @@ def _floor_lines(e2e: dict) -> list[str]:
     lines = ["", "Against the noise floor (the original's equivalent twin, one rounding away from it):", ""]
     lines += ["| figure | converted | twin (floor) |", "|---|---:|---:|"]
     return lines + [f"| {name} | {e2e[key]:{fmt}} | {floor[key]:{fmt}} |" for name, key, fmt in rows]
+
+
+def _calibration_line(report: dict) -> list[str]:
+    calibrated = report["options"].get("calibrated_on")
+    return [f"- calibrated on: {', '.join(calibrated)}"] if calibrated else []
 
 
 def _memory_line(report: dict) -> list[str]:

@@ -175,22 +175,59 @@ def _window_figures(stream, ref_h, got_h, ids: torch.Tensor, got_checkpoint: Che
     }
 
 
-def compare_streamed(run: VerifyRun, ids: torch.Tensor, window=1024, progress=iter) -> dict:
+def segment_windows(n_tokens: int, window: int, segments=None) -> list[tuple[int, int, int]]:
+    """(start, stop, segment) of each window over `n_tokens` tokens: windows of at most `window`
+    tokens that never cross a segment's end. segments: [(name, tokens), ...] in order, summing to
+    n_tokens (the texts the ids hold, one after the other); None: one segment."""
+    lengths = [n_tokens] if segments is None else [length for _, length in segments]
+    spans, offset = [], 0
+    for index, length in enumerate(lengths):
+        spans += [(s, min(s + window, offset + length), index) for s in range(offset, offset + length, window)]
+        offset += length
+    return spans
+
+
+def by_segment(segments, spans, nll_ref: list, nll_got: list) -> list[dict] | None:
+    """Each segment's perplexity, original and converted, from the windows' NLLs (None: no segments)."""
+    if segments is None:
+        return None
+    rows = []
+    for index, (name, length) in enumerate(segments):
+        ref = [n for n, span in zip(nll_ref, spans) if span[2] == index and len(n)]
+        got = [n for n, span in zip(nll_got, spans) if span[2] == index and len(n)]
+        ppl_ref, ppl_got = float(torch.cat(ref).mean().exp()), float(torch.cat(got).mean().exp())
+        rows.append(
+            {
+                "text": name,
+                "tokens": length,
+                "ppl_original": ppl_ref,
+                "ppl_converted": ppl_got,
+                "ppl_ratio": ppl_got / ppl_ref,
+            }
+        )
+    return rows
+
+
+def compare_streamed(run: VerifyRun, ids: torch.Tensor, window=1024, progress=iter, segments=None) -> dict:
     """`compare_models`' figures (same keys, same windows) on `ids` (1, N), with the models streamed
     layer by layer; with a twin (the original's equivalent twin) its figures against the original
-    too, as `floor`."""
+    too, as `floor`; with `segments` each text's perplexities, as `by_text`."""
     stream = _Stream(run)
-    windows = [ids[:, start : start + window] for start in range(0, ids.shape[-1], window)]  # (1, ≤window) each
+    spans = segment_windows(ids.shape[-1], window, segments)
+    windows = [ids[:, start:stop] for start, stop, _ in spans]  # (1, ≤window) each
     ref_h, got_h, twin_h = hidden_states(stream, windows, progress)
     release_freed_memory()  # the decoder layers' freed pages, before the vocabulary chunks
-    result = {"tokens": ids.shape[-1], "window": window} | _figures(stream, windows, ref_h, got_h, stream.converted)
+    figures = _figures(stream, windows, ref_h, got_h, stream.converted, (segments, spans))
+    result = {"tokens": ids.shape[-1], "window": window} | figures
     if twin_h is not None:
-        result["floor"] = _figures(stream, windows, ref_h, twin_h, stream.original)  # the twin's head is the original's
+        floor = _figures(stream, windows, ref_h, twin_h, stream.original)  # the twin's head is the original's
+        result["floor"] = {k: v for k, v in floor.items() if k != "by_text"}
     return result
 
 
-def _figures(stream: _Stream, windows, ref_h, got_h, got_checkpoint: Checkpoint) -> dict:
-    """The figures of one model's hidden states `got_h` against the original's `ref_h`, window by window."""
+def _figures(stream: _Stream, windows, ref_h, got_h, got_checkpoint: Checkpoint, segments=(None, None)) -> dict:
+    """The figures of one model's hidden states `got_h` against the original's `ref_h`, window by
+    window; segments: (the texts, `segment_windows`' spans) for `by_text`."""
     total = {"sq_diff": 0.0, "sq_ref": 0.0, "max_abs": 0.0, "kl_sum": 0.0, "kl_max": 0.0, "agree": 0.0}
     nll_ref, nll_got = [], []
     with torch.no_grad():
@@ -202,9 +239,9 @@ def _figures(stream: _Stream, windows, ref_h, got_h, got_checkpoint: Checkpoint)
                 max(total["max_abs"], fig["max_abs"]),
                 max(total["kl_max"], fig["kl_max"]),
             )
-            nll_ref.append(fig["nll_ref"])
+            nll_ref.append(fig["nll_ref"])  # (L-1,) per window
             nll_got.append(fig["nll_got"])
-    n = sum(w.shape[-1] for w in windows)
+    n, texts = sum(w.shape[-1] for w in windows), by_segment(*segments, nll_ref, nll_got)
     nll_ref, nll_got = torch.cat(nll_ref), torch.cat(nll_got)
     ppl_ref, ppl_got = float(nll_ref.mean().exp()), float(nll_got.mean().exp())
     return {
@@ -217,6 +254,7 @@ def _figures(stream: _Stream, windows, ref_h, got_h, got_checkpoint: Checkpoint)
         "ppl_converted": ppl_got,
         "ppl_ratio": ppl_got / ppl_ref,
         "nll_abs_diff_mean": float((nll_got - nll_ref).abs().mean()),  # |log ppl ratio| is at most this
+        "by_text": texts,
     }
 
 

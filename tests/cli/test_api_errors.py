@@ -106,8 +106,8 @@ def test_the_api_names_keywords_where_the_cli_names_flags(tmp_path):
         convert.gqa2mla(TINY_LLAMA, tmp_path / "o", kv_cache_ratio=0.5)
     cli = CliRunner().invoke(main, ["gqa2mla", str(TINY_LLAMA), "-o", str(tmp_path / "o"), "--kv-cache-ratio", "0.5"])
     assert cli.exit_code == 2
-    assert "--calib FILE" in cli.stderr and "--method svd" in cli.stderr
-    assert "calib=FILE" in str(api.value) and "method='svd'" in str(api.value) and "--" not in str(api.value)
+    assert "--max-ppl-ratio R" in cli.stderr and "--no-verify" in cli.stderr
+    assert "max_ppl_ratio=R" in str(api.value) and "verify=False" in str(api.value) and "--" not in str(api.value)
     with pytest.raises(convert.ConvertError, match="choose another output$"):
         convert.gqa2mla(TINY_LLAMA, TINY_LLAMA)
 

@@ -66,17 +66,18 @@ def test_lossy_report_says_the_ppl_ratio_decided(tmp_path):
     result = _convert(tmp_path, *args)
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "out" / "verification.json").read_text())
-    assert report["decision"]["rule"] == "lossy conversion: perplexity ratio on the text ≤ --max-ppl-ratio 1000.0"
-    assert [c["name"] for c in report["decision"]["checks"]][1:] == ["perplexity ratio"]
+    rule = report["decision"]["rule"]
+    assert rule.startswith("lossy conversion: perplexity ratio ≤ --max-ppl-ratio 1000.0 on --text when given")
+    assert [c["name"] for c in report["decision"]["checks"]][1:] == ["perplexity ratio on --text t.txt"]
     markdown = (tmp_path / "out" / "verification.md").read_text()
     assert "## Per layer (information: a lossy conversion is judged by perplexity)" in markdown
     assert "1e-05" not in markdown.split("## Per layer")[0]  # no exact-conversion bound is shown as applied
 
 
-def test_compression_without_calibration_text_is_refused_with_the_fix(tmp_path):
-    result = _convert(tmp_path, "--kv-cache-ratio", "0.5", "--no-verify")
+def test_compression_without_a_bound_is_refused_with_the_fix(tmp_path):
+    result = _convert(tmp_path, "--kv-cache-ratio", "0.5")
     assert result.exit_code == 2
-    assert "--calib FILE" in result.stderr and "--method svd" in result.stderr
+    assert "--max-ppl-ratio R" in result.stderr and "--no-verify" in result.stderr
     assert not (tmp_path / "out").exists()
 
 
