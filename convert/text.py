@@ -132,8 +132,13 @@ def calibration_ids(source, opts) -> torch.Tensor:
     if isinstance(opts.calib, torch.Tensor):
         return opts.calib[:, : opts.calib_tokens]
     root = getattr(source, "root", None)
+    if root is None:  # a model in memory: its tokenizer is not here, and bytes would be noise to a real model
+        raise ConvertError(
+            "--calib: a model in memory comes without its tokenizer, so no text can be read for it; pass --calib "
+            "as token ids (1, N) of real text from its tokenizer, or --method svd"
+        )
     vocab = (source.config or {})["vocab_size"]
-    tokenize, tokenizer = tokenizer_of(root, vocab), None if root is None else model_tokenizer(root)
+    tokenize, tokenizer = tokenizer_of(root, vocab), model_tokenizer(root)
     streams = []
     for part in calibration_parts(opts.calib):
         if isinstance(part, str):

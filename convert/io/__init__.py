@@ -1,5 +1,6 @@
-"""Checkpoint input/output: a validating lazy reader, the `TensorSource` verbs every source of tensors
-answers, an atomic sharded writer, and which output a run may create or replace (`output_lock`).
+"""Checkpoint input/output: a validating lazy reader (safetensors, or a GGUF file of llama.cpp's), the
+`TensorSource` verbs every source of tensors answers, an atomic sharded writer, and which output a run
+may create or replace (`output_lock`).
 
 Its names load on first use (PEP 562): `convert.io.output` needs no torch, so the command line
 refuses an output it must not write before torch is imported."""
@@ -18,6 +19,10 @@ _HOME = {
     "read_header": "header",
     "Checkpoint": "reader",
     "open_checkpoint": "reader",
+    "model_files": "reader",
+    "GGUFCheckpoint": "gguf",
+    "gguf_tokenizer": "gguf",
+    "is_gguf": "gguf_header",
     "TensorSource": "tensor_source",
     "CheckpointWriter": "writer",
 }

@@ -1,7 +1,8 @@
 """Locating a checkpoint's files and reading its JSON, without torch: the checks of a source that
 the command line makes before it imports torch (a missing path, a directory without weights, a
-file that is not safetensors, a config.json that does not parse), and that `convert.io.reader`
-makes again with the rest."""
+file that is not safetensors or GGUF, a config.json that does not parse), and that `convert.io.reader`
+makes again with the rest. A GGUF file is its own model directory: `locate` gives the file as the
+root, and `read_config(root / "config.json")` the config its header describes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from convert.errors import ConvertError
+from convert.io.gguf_header import gguf_config, is_gguf, read_gguf_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -26,7 +28,7 @@ MAX_HEADER_DEPTH = 3
 RAW_CHUNK = 64 * 1024 * 1024  # bytes per read when copying or comparing stored tensors
 MAX_JSON_DEPTH = 32
 
-NOT_SAFETENSORS_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl", ".gguf", ".h5", ".msgpack"}
+NOT_SAFETENSORS_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl", ".h5", ".msgpack"}
 CONVERT_HINT = "convert it to safetensors first, e.g. with `transformers`' save_pretrained(safe_serialization=True)"
 
 # ---------------------------------------------------------------- strict JSON
@@ -103,7 +105,11 @@ def short(value: Any, limit: int = 60) -> str:
 
 def check_prelude(path: Path) -> tuple[int, int]:
     """(file size, header length) of a safetensors file, from its first 8 bytes and the first byte
-    of its header; ConvertError when it cannot be one (too short, a length beyond the file, no JSON)."""
+    of its header; ConvertError when it cannot be one (too short, a length beyond the file, no JSON).
+    A GGUF file's whole header is checked (`convert.io.gguf_header`): (file size, where its data starts)."""
+    if is_gguf(path):
+        gguf_config(path)
+        return path.stat().st_size, read_gguf_header(path).data_start
     try:
         size = path.stat().st_size
         f = open(path, "rb")
@@ -142,6 +148,9 @@ def read_json(path: Path, what: str, fix: str) -> Any:
 
 
 def read_config(path: Path) -> dict[str, Any] | None:
+    """config.json parsed (None when absent); `<file.gguf>/config.json`, the GGUF's (`locate`)."""
+    if path.name == CONFIG_NAME and is_gguf(path.parent):
+        return gguf_config(path.parent)
     if not path.is_file():
         return None
     config = read_json(path, "config", "fix or re-download config.json")
@@ -173,11 +182,14 @@ def _is_plain_file_name(name: str) -> bool:
 
 
 def locate(path: Path) -> tuple[Path, list[Path], Path | None]:
-    """Return (root, safetensors files, index path or None) for a user path."""
+    """Return (root, safetensors files, index path or None) for a user path; for a GGUF file (or a
+    directory whose only weights are one), (the file, [the file], None)."""
     if not path.exists():
         raise ConvertError(f"{path}: no such file or directory; check the checkpoint path")
     if path.is_dir():
         return locate_in_dir(path)
+    if is_gguf(path):
+        return path, [path], None
     if path.name == INDEX_NAME:
         return path.parent, [], path
     if path.suffix.lower() in NOT_SAFETENSORS_SUFFIXES:
@@ -198,6 +210,11 @@ def locate_in_dir(path: Path) -> tuple[Path, list[Path], Path | None]:
             f"{path}: directory holds {len(found)} .safetensors files but no {INDEX_NAME}; "
             "point at one file or add an index"
         )
+    ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
+    if len(ggufs) == 1:
+        return ggufs[0], ggufs, None
+    if ggufs:
+        raise ConvertError(f"{path}: directory holds {len(ggufs)} .gguf files and no safetensors; point at one file")
     others = sorted(p.name for p in path.iterdir() if p.suffix.lower() in NOT_SAFETENSORS_SUFFIXES)
     if others:
         raise ConvertError(f"{path}: no .safetensors files (found {others[0]}); {CONVERT_HINT}")

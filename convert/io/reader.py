@@ -1,4 +1,5 @@
-"""The checkpoint reader (`Checkpoint`, `open_checkpoint`): a single file, a sharded directory or an HF model dir.
+"""The checkpoint reader (`Checkpoint`, `open_checkpoint`): a single file, a sharded directory or an HF model dir
+(a GGUF file opens as a `convert.io.gguf.GGUFCheckpoint`).
 
 Every header is checked at open (`convert.io.header`); tensor data is read later, one tensor at a time, on demand.
 It is a `convert.io.tensor_source.TensorSource`, with file-only extras (`get`, `read_into`, `raw_chunks`).
@@ -15,6 +16,8 @@ import torch
 from safetensors import safe_open
 
 from convert.errors import ConvertError
+from convert.io.gguf import GGUFCheckpoint, tokenizer_files
+from convert.io.gguf_header import is_gguf
 from convert.io.header import (
     SAFETENSORS_DTYPES,
     TORCH_TO_SAFETENSORS,
@@ -58,6 +61,9 @@ class Checkpoint:
         self.files: list[Path] = [h.path for h in headers]
         self.metadata: dict[str, str] = dict(headers[0].metadata) if headers else {}
         self.config: dict[str, Any] | None = read_config(root / CONFIG_NAME)
+        # What the values are, when not the stored ones (`GGUFCheckpoint`: "GGUF Q4_K_M …, dequantized")
+        self.description: str | None = None
+        self.quantization: str | None = None
         self._handles: dict[Path, Any] = {}
         self._raw: dict[Path, BinaryIO] = {}
         self._opening = threading.Lock()  # layers are read from two threads: one handle per file
@@ -223,13 +229,23 @@ class Checkpoint:
         return f"Checkpoint({str(self.path)!r}, {n_tensors} tensors, {n_files} files)"
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
+def open_checkpoint(path: str | Path) -> Checkpoint | GGUFCheckpoint:
     """Open and validate a checkpoint.
 
     ``path`` may be a ``.safetensors`` file, a directory with
     ``model.safetensors.index.json`` (sharded), or a directory with a single
     ``model.safetensors`` (or exactly one ``*.safetensors``). ``config.json``
-    next to the weights is parsed when present. Raises ConvertError with a
-    one-line message for every kind of bad input.
+    next to the weights is parsed when present. A GGUF file (or a directory
+    whose only weights are one) opens as a `GGUFCheckpoint`, its config the one
+    its metadata describes. Raises ConvertError with a one-line message for
+    every kind of bad input.
     """
-    return Checkpoint(Path(path))
+    root, _, _ = locate(Path(path))
+    return GGUFCheckpoint(root) if is_gguf(root) else Checkpoint(Path(path))
+
+
+def model_files(path: str | Path) -> dict[str, bytes]:
+    """Files of a model directory that the checkpoint at `path` carries inside it, by name: a GGUF's
+    tokenizer (tokenizer.json, tokenizer_config.json, …); none for safetensors, whose directory has them."""
+    root, _, _ = locate(Path(path))
+    return tokenizer_files(root) if is_gguf(root) else {}

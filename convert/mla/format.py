@@ -2,7 +2,6 @@
 `model_type: convert_mla`, plus the `mla` section) and the model-directory files that travel with
 the weights (docs/design.md, "Output format"). `convert.mla.schema` checks what this writes."""
 
-
 from convert._version import __version__
 
 #: 2: own model_type `convert_mla`, the source's in mla.source_model_type

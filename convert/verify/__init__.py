@@ -61,7 +61,11 @@ def _sha256(path: Path) -> str:
 
 
 def _files(checkpoint) -> dict:
-    return {"path": str(checkpoint.path), "files": {f.name: _sha256(f) for f in checkpoint.files}}
+    """The checkpoint's path, its files' digests and, where its values are not the stored ones (a
+    quantized GGUF, dequantized), what they are."""
+    found = {"path": str(checkpoint.path), "files": {f.name: _sha256(f) for f in checkpoint.files}}
+    description = getattr(checkpoint, "description", None)
+    return found | ({"description": description} if description else {})
 
 
 def _versions() -> dict:

@@ -42,7 +42,12 @@ def render_markdown(report: dict) -> str:
     lines += [f"- **FAIL**: {f}" for f in report["failures"]] + ([""] if report["failures"] else [])
     lines += _decision_table(decision)
     lines += [
-        f"- original: `{report['inputs']['original']['path']}`",
+        f"- original: `{report['inputs']['original']['path']}`"
+        + (
+            f" ({report['inputs']['original']['description']})"
+            if report["inputs"]["original"].get("description")
+            else ""
+        ),
         f"- converted: `{report['inputs']['converted']['path']}`",
         f"- device: {report['device']['type']} ({report['device']['name']}), run dtype {report['dtype']}",
         f"- inputs: {_input_line(report)}",

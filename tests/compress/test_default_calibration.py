@@ -13,7 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file
 
+import convert
 from convert.cli import main
 from convert.compress.weights import shrunk
 from convert.corpus import KINDS, ROOT, kind_documents
@@ -25,8 +27,8 @@ from conftest import FIXTURES, TINY_LLAMA
 
 
 def _bytes_source(vocab_size: int = 256):
-    """A checkpoint without a tokenizer: its text is read as UTF-8 bytes (mod the vocabulary)."""
-    return SimpleNamespace(root=None, config={"vocab_size": vocab_size})
+    """A checkpoint without a tokenizer (the tiny fixture's directory): its text is read as UTF-8 bytes."""
+    return SimpleNamespace(root=TINY_LLAMA, config={"vocab_size": vocab_size})
 
 
 def _ids(calib, n_tokens: int) -> torch.Tensor:
@@ -89,6 +91,13 @@ def test_a_shipped_kind_by_name_and_a_missing_file(tmp_path, monkeypatch):
     assert bytes(_ids([Path("code")], 100)[0].tolist()) == _kind_bytes("code")[:100]
     with pytest.raises(ConvertError, match=r"calib .*nope\.txt: no such file"):
         _ids([tmp_path / "nope.txt"], 100)
+
+
+def test_a_model_in_memory_needs_token_ids_to_calibrate():
+    state = load_file(TINY_LLAMA / "model.safetensors")
+    config = json.loads((TINY_LLAMA / "config.json").read_text())
+    with pytest.raises(ConvertError, match="without its tokenizer.*token ids"):
+        convert.convert_state_dict(state, config, kv_cache_ratio=0.5, refine_steps=0)
 
 
 def test_judging_text_is_the_held_out_part_of_every_kind():
