@@ -151,6 +151,8 @@ def _write(source: Checkpoint, build: Build, writer: CheckpointWriter) -> None:
             writer.write_chunks(name, source.raw_chunks(name))
     for name, tensor in build.tensors:
         writer.write(name, tensor)
+    if build.extra is not None:
+        build.extra(writer.tmp_dir)
 
 
 def _copy_aux_files(source: Checkpoint, writer: CheckpointWriter) -> None:

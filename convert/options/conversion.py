@@ -262,11 +262,10 @@ class ConvertOptions(VerifyOptions):
     )
     target: str = option(
         "mla",
-        "mla: this package (and transformers after `import convert`); the only target that compresses; KV "
-        "cache = GQA's when exact; checkpoint +5% (--layout factored) to +30% (absorbed). transformers: "
-        "DeepseekV3 for stock transformers, exact; KV cache +1%, checkpoint +38%. vllm: DeepseekV3 for "
-        "vLLM's MLA kernels; KV cache 576 per token and layer (+50%; less than GQA's from ~7B); "
-        "checkpoint +44%; lossy unless one K/V head of dim 64 (needs --calib). Figures: SmolLM2-135M.",
+        "mla: this package's format, the only one that compresses. transformers: DeepseekV3 for stock "
+        "transformers, exact. vllm: DeepseekV3 for vLLM's MLA kernels (576 cached values per token and "
+        "layer). llamacpp: one GGUF (deepseek2) for llama.cpp. vllm and llamacpp are lossy unless one K/V "
+        "head of dim 64 (docs/serving.md).",
         group="target",
         choices=TARGETS,
     )

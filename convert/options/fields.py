@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 #: The `--target` choices: the names of `convert.targets.TARGETS`, which checks the flags each takes.
-TARGETS = ("mla", "transformers", "vllm")
+TARGETS = ("mla", "transformers", "vllm", "llamacpp")
 LAYOUTS = ("absorbed", "factored")
 LATENTS = ("split", "joint")
 DEVICES = ("auto", "cpu", "cuda")

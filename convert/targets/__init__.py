@@ -36,6 +36,7 @@ TARGETS = {
         "transformers", "convert.targets.transformers", compresses=False, calibrates=False, export=True
     ),
     "vllm": TargetEntry("vllm", "convert.targets.vllm", compresses=False, calibrates=True, export=True),
+    "llamacpp": TargetEntry("llamacpp", "convert.targets.llamacpp", compresses=False, calibrates=True, export=True),
 }
 
 
@@ -80,6 +81,9 @@ class Build:
     options: object  # the options as the target resolved them (what verification then uses)
     layers: list = field(default_factory=list)
     plan: object = None
+    # writes the target's own files into the not yet committed output directory, after the tensors
+    # (the llamacpp target's one GGUF file); None: the tensors are the whole output
+    extra: Callable[[Path], None] | None = None
 
 
 @runtime_checkable

@@ -267,7 +267,7 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
     device = opts.torch_device
     with open_checkpoint(original) as orig, open_checkpoint(exported) as conv:
         config = orig.config or {}
-        ckpt_dtype = conv.dtype(conv.keys()[0])
+        ckpt_dtype = _export_dtype(conv)
         dtype = opts.run_dtype(ckpt_dtype)
         limits = thresholds(coarsest(dtype, ckpt_dtype, torch.float32), opts.max_ppl_ratio)
         with timings("tokens"):
@@ -296,6 +296,14 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
     if section is not None:
         report["target"] = section
     return report
+
+
+def _export_dtype(conv) -> torch.dtype:
+    """The export's tensor dtype: its first tensor's, or (weights in a file of another format: the
+    llamacpp target's GGUF) the one its config.json names."""
+    if conv.keys():
+        return conv.dtype(conv.keys()[0])
+    return getattr(torch, (conv.config or {}).get("dtype") or "float32")
 
 
 def load_export(path, device="cpu", dtype=None):

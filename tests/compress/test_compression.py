@@ -120,7 +120,9 @@ def test_lossy_round_trip_is_judged_by_max_ppl_ratio(tiny):
     report = json.loads((src.parent / "ok" / "verification.json").read_text())
     assert report["verdict"] == "PASS" and report["end_to_end"]["ppl_ratio"] != 1.0
     assert any(r["rel_error"] > 1e-5 for r in report["layers"])  # honest: the layers are not exact
-    below = f"{report['end_to_end']['ppl_ratio'] * 0.999:.6f}"  # just under what this conversion measures
+    gate = report["decision"]["checks"][-1]  # --text's ratio: the gate when --text is given
+    assert gate["name"] == f"perplexity ratio on --text {text.name}"
+    below = f"{gate['value'] * 0.999:.6f}"  # just under what this conversion measures
     strict = CliRunner().invoke(main, args + ["-o", str(src.parent / "strict"), "--max-ppl-ratio", below])
     assert strict.exit_code == 1
     report = json.loads((src.parent / "strict" / "verification.json").read_text())
@@ -131,10 +133,10 @@ def test_lossy_round_trip_is_judged_by_max_ppl_ratio(tiny):
     "extra, fragment",
     [
         (["--kv-cache-ratio", "0.5", "--method", "svd"], "--max-ppl-ratio"),
-        (["--kv-cache-ratio", "0.5", "--no-verify"], "--method svd"),
+        (["--kv-cache-ratio", "0.5", "--shrinkage", "2", "--no-verify"], "--shrinkage 2"),
         (["--kv-cache-ratio", "0.5", "--rank", "8", "--no-verify"], "--rank and --kv-cache-ratio"),
         (["--kv-cache-ratio", "1.5", "--no-verify"], "--kv-cache-ratio 1.5"),
-        (["--kv-cache-ratio", "0.5", "--method", "whitened", "--no-verify"], "--calib"),
+        (["--kv-cache-ratio", "0.5", "--calib", "nope.txt", "--no-verify"], "--calib nope.txt: no such file"),
     ],
 )
 def test_bad_compression_requests_exit_2(tiny, extra, fragment):

@@ -1,0 +1,225 @@
+"""Target `llamacpp`: one GGUF file (`model.gguf`, architecture `deepseek2`) that llama.cpp runs with MLA,
+built from the vllm target's DeepSeek-V3 construction (one shared 64-dim rotary key) with the latent at
+its used width, behind the target interface (`convert.targets.Target`). docs/design.md, "Deployment
+targets"; docs/serving.md says what is exact."""
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from convert.arch import AttentionSpec
+from convert.compress.refine import Refinement
+from convert.errors import ConvertError
+from convert.hf import build_causal_lm, load_strict
+from convert.io.reader import dtype_itemsize
+from convert.layouts import attention_view
+from convert.options import dtype_name
+from convert.source import LazyTensors, StateDictSource
+from convert.targets import Build
+from convert.targets.deepseek import check_deepseek, export_spec
+from convert.targets.llamacpp.engine import QUANTIZED, quantize
+from convert.targets.llamacpp.gguf_file import read_gguf, write_gguf
+from convert.targets.llamacpp.vocab import source_vocab
+from convert.targets.vllm import export_statistics, latent_sequential
+from convert.targets.vllm.bias import biased_projections
+from convert.targets.vllm.export import ExportChoices, stream_export
+from convert.targets.vllm.geometry import needs_compression
+from convert.targets.vllm.rope import check_vllm_exportable, needs_calibration
+from convert.text import calibration_ids
+
+NAME = "llamacpp"
+FILE = "model.gguf"
+FOREIGN = "llama.cpp (and llama-cpp-python, Ollama, LM Studio) runs model.gguf as deepseek2 MLA"
+__all__ = ["FILE", "FOREIGN", "NAME", "QUANTIZED", "build", "check", "load", "model", "quantize", "report"]
+
+
+def check(spec: AttentionSpec, opts) -> None:
+    """What deepseek2's dense layers cannot hold: q/k norms, fused projections (`check_deepseek`)."""
+    check_deepseek(spec, NAME)
+
+
+def _check_family(config: dict) -> None:
+    """What llama.cpp's deepseek2 computes besides the attention: a SwiGLU MLP, default RoPE."""
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConvertError(
+            f"--target llamacpp: hidden_act={act!r}, and llama.cpp's deepseek2 MLP is SwiGLU (silu) only; "
+            "use --target mla"
+        )
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ConvertError(
+            f"--target llamacpp: rope_type={kind!r} is not written for llama.cpp yet (default RoPE only); "
+            "use --target vllm or mla"
+        )
+
+
+def build(source, opts) -> Build:
+    """The export made as the vllm target makes it (float32), written as one GGUF into the output
+    directory (`Build.extra`) beside config.json (its `convert_export`) and the tokenizer files."""
+    config = source.config or {}
+    _check_family(config)
+    state = LazyTensors(source)
+    export_config, view, spec = export_spec(state, config, NAME, opts)
+    choices = _choices(source, view, spec, export_config, opts)
+    _, ds_config, tensors = stream_export(state, export_config, view, spec, choices)
+    stored = view.dtype(spec.tensor(0, "q"))
+    tensor_type = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(stored, "float32")
+    vocab = source_vocab(getattr(source, "root", None) or Path("."))
+    written: dict = {}
+
+    def extra(directory: Path) -> None:
+        out = dict(tensors)  # one model in memory (float32)
+        chosen = write_gguf(Path(directory) / FILE, out, ds_config, _latent(ds_config), tensor_type, vocab)
+        written.update(_config(chosen, ds_config, tensor_type, vocab))
+
+    return Build(
+        layout={},
+        copied=[],
+        tensors=iter(()),
+        config=lambda: written,
+        notes=lambda: [short_note(written["convert_export"]), FOREIGN] + ([vocab.note] if vocab.note else []),
+        sizes=lambda: _sizes(written, spec, stored),
+        metadata={"format": "pt"},
+        options=opts,
+        extra=extra,
+    )
+
+
+def _choices(source, view, spec: AttentionSpec, config: dict, opts) -> ExportChoices:
+    """The vllm export's choices: its refusals, its calibration where it is lossy, float32 tensors."""
+    biased = biased_projections(spec, view)
+    calibrate = needs_calibration(spec, config, bool(biased))
+    check_vllm_exportable(config, spec, view, torch.float32, opts.calib is not None or not calibrate)
+    lossy = calibrate or needs_compression(spec, config["hidden_size"])
+    if lossy and opts.verify and (opts.text is None or opts.max_ppl_ratio is None):
+        raise ConvertError(
+            "--target llamacpp is lossy for this model (llama.cpp rotates one 64-dim key shared by all heads at one "
+            "frequency set): verification judges it by perplexity on real text, so pass --text FILE (a text unlike "
+            "--calib) and --max-ppl-ratio R (e.g. 1.1), or --no-verify"
+        )
+    if opts.calib is None:
+        return ExportChoices(dtype=torch.float32)
+    ids = calibration_ids(source, opts)
+    compressed = needs_compression(spec, config["hidden_size"])
+    stats = export_statistics(
+        source, config, view, spec, ids, fisher=compressed, lossy=calibrate, output_bias="o" in biased,
+        progress=opts.progress, fisher_tokens=opts.fisher_tokens,
+    )  # fmt: skip
+    if not compressed:
+        return ExportChoices(stats=stats, dtype=torch.float32)
+    refinement = Refinement.sized(opts.refine_steps, whole_windows=True)
+    sequential = latent_sequential(source, config, ids, opts.calibration, refinement)
+    return ExportChoices(stats=stats, dtype=torch.float32, sequential=sequential)
+
+
+def _latent(ds_config: dict) -> int:
+    """The latent dims the export uses (the rest of vLLM's 512 are zero)."""
+    return ds_config["convert_export"]["latent_dims_used"]
+
+
+def _config(chosen: dict, ds_config: dict, tensor_type: str, vocab) -> dict:
+    """config.json of the output: the DeepseekV3 config the GGUF holds (what `load` rebuilds) and
+    `convert_export` (the vllm construction's record, then the file's)."""
+    out = dict(ds_config)
+    export = dict(out.pop("convert_export"))
+    latent = chosen["kv_lora_rank"]
+    out |= {"kv_lora_rank": latent, "rms_norm_eps": chosen["rms_norm_eps"], "attention_bias": False}
+    out["dtype"] = tensor_type
+    export |= {
+        "target": NAME,
+        "file": FILE,
+        "tensor_type": tensor_type,
+        "residual_scale_log2": chosen["residual_scale_log2"],
+        "latent_scale_log2": chosen["latent_scale_log2"],
+        "kv_cache_dims_per_token_per_layer": latent + out["qk_rope_head_dim"],
+        "tokenizer_note": vocab.note,
+    }
+    out["convert_export"] = export
+    return out
+
+
+def _sizes(config: dict, spec: AttentionSpec, dtype: torch.dtype) -> dict:
+    """The KV cache per token before (GQA) and after (what llama.cpp caches: latent + rotary key)."""
+    size = dtype_itemsize(dtype)
+    before = spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim
+    after = spec.n_layers * config["convert_export"]["kv_cache_dims_per_token_per_layer"]
+    return {
+        "kv_cache_dims_per_token_before": before,
+        "kv_cache_bytes_per_token_before": before * size,
+        "kv_cache_dims_per_token_after": after,
+        "kv_cache_bytes_per_token_after": after * size,
+    }
+
+
+def model(state: dict, config: dict, opts, dtype: torch.dtype, device):
+    """`to_mla(target="llamacpp")`: the model llama.cpp computes from the file, in memory (transformers'
+    DeepseekV3 on the GGUF's tensors, read back)."""
+    source = attention_view(StateDictSource(state, config), config)
+    _check_family(config)
+    export_config, view, spec = export_spec(state, config, NAME, opts)
+    choices = _choices(source, view, spec, export_config, opts)
+    _, ds_config, tensors = stream_export(state, export_config, view, spec, choices)
+    out, vocab = dict(tensors), source_vocab(Path(tempfile.gettempdir()) / "no-tokenizer")
+    with tempfile.TemporaryDirectory(prefix="convert-llamacpp-") as tmp:
+        path = Path(tmp) / FILE
+        chosen = write_gguf(path, out, ds_config, _latent(ds_config), "float32", vocab)
+        return _deepseek(path, _config(chosen, ds_config, "float32", vocab), dtype, device)
+
+
+def load(path, device, dtype):
+    """The GGUF as llama.cpp computes it: transformers' DeepseekV3 on its tensors (dequantized), every
+    norm's eps the file's (the latent norm's included, which transformers hard-codes to 1e-6)."""
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    return _deepseek(path / config["convert_export"].get("file", FILE), config, dtype, device)
+
+
+def _deepseek(gguf_path: Path, config: dict, dtype, device):
+    tensors, keys = read_gguf(gguf_path)
+    fields = {k: v for k, v in config.items() if k != "convert_export"}
+    fields |= {
+        "kv_lora_rank": keys["deepseek2.attention.kv_lora_rank"],
+        "rms_norm_eps": keys["deepseek2.attention.layer_norm_rms_epsilon"],
+        "attention_bias": False,
+        "dtype": dtype_name(dtype or torch.float32),
+    }
+    deepseek = build_causal_lm(fields, dtype or torch.float32, device=device)
+    load_strict(deepseek, {n: t.to(dtype or torch.float32) for n, t in tensors.items()}, f"{gguf_path}")
+    for layer in deepseek.model.layers:  # transformers hard-codes this eps; llama.cpp reads the file's
+        norm = layer.self_attn.kv_a_layernorm
+        setattr(norm, "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps", fields["rms_norm_eps"])
+    return deepseek.eval()
+
+
+def report(export: dict, e2e: dict | None, ckpt_dtype: torch.dtype) -> dict:
+    """The report's section: the cache llama.cpp keeps against the GQA original's, and whether exact
+    (bytes in the original checkpoint's dtype, as llama.cpp's default F16 cache of a half model)."""
+    size, layers = dtype_itemsize(ckpt_dtype), len(export["rotary_key_energy_kept"])
+    return {
+        "name": NAME,
+        "exact": export["exact"],
+        "file": export["file"],
+        "tensor_type": export["tensor_type"],
+        "cache_values_per_token_per_layer": export["kv_cache_dims_per_token_per_layer"],
+        "gqa_cache_values_per_token_per_layer": export["gqa_cache_dims_per_token_per_layer"],
+        "cache_bytes_per_token": export["kv_cache_dims_per_token_per_layer"] * size * layers,
+        "gqa_cache_bytes_per_token": export["gqa_cache_dims_per_token_per_layer"] * size * layers,
+        "perplexity_ratio": (e2e or {}).get("ppl_ratio"),
+        "note": short_note(export),
+    }
+
+
+def short_note(export: dict) -> str:
+    """What the file keeps and loses, in one line."""
+    cache, gqa = export["kv_cache_dims_per_token_per_layer"], export["gqa_cache_dims_per_token_per_layer"]
+    size = f"llama.cpp caches {cache} values per token and layer (GQA: {gqa})"
+    if export["exact"]:
+        return f"for llama.cpp ({FILE}): exact; {size}"
+    return (
+        f"for llama.cpp ({FILE}): LOSSY, one 64-dim rotary key shared by all {export['n_kv_heads']} key heads "
+        f"(the other rotary mixtures position-free): check the perplexity ratio before serving; {size}"
+    )

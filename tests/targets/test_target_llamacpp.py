@@ -1,0 +1,156 @@
+"""The `llamacpp` target: one deepseek2 GGUF, written and read back (transformers' DeepseekV3 on its
+tensors, the model llama.cpp computes), its refusals, and the real engine (scripts/llamacpp_env.sh)
+when it is built: llama.cpp's prompt log-probs and greedy tokens against ours on the same file."""
+
+import json
+import subprocess
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from tiny_models import VOCAB, tiny_llama
+
+import convert
+from convert.errors import ConvertError
+from convert.targets.llamacpp import load
+from convert.targets.llamacpp.engine import engine_python
+from convert.targets.llamacpp.gguf_file import read_gguf
+from convert.verify import verify_paths
+
+from conftest import PROSE
+
+ENGINE = engine_python()
+needs_engine = pytest.mark.skipif(ENGINE is None, reason="llama.cpp is not built: run scripts/llamacpp_env.sh")
+
+
+def converted(tmp_path, model, **options):
+    model.save_pretrained(tmp_path / "src")
+    return convert.gqa2mla(tmp_path / "src", tmp_path / "out", target="llamacpp", progress=False, **options)
+
+
+def ids(length: int = 40, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_one_kv_head_is_exact_and_the_file_is_deepseek2(tmp_path):
+    model = tiny_llama(1)
+    result = converted(tmp_path, model)
+    assert result.passed and result.report["target"]["exact"]
+    reader = gguf.GGUFReader(str(tmp_path / "out" / "model.gguf"))
+    keys = {f.name: f.contents() for f in reader.fields.values()}
+    assert keys["general.architecture"] == "deepseek2"
+    assert keys["deepseek2.attention.kv_lora_rank"] == 64 and keys["deepseek2.rope.dimension_count"] == 64
+    assert keys["deepseek2.attention.q_lora_rank"] == 0 and keys["deepseek2.leading_dense_block_count"] == 2
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}  # ggml order
+    assert shapes["blk.0.attn_kv_a_mqa.weight"] == (192, 64 + 64)
+    assert shapes["blk.0.attn_k_b.weight"] == (64, 64, 6) and shapes["blk.0.attn_v_b.weight"] == (64, 64, 6)
+    with torch.no_grad():
+        want, got = model(ids()).logits, load(tmp_path / "out", "cpu", torch.float32)(ids()).logits
+    assert (got - want).abs().max() < 1e-3
+
+
+def test_three_kv_heads_are_lossy_and_judged_by_perplexity(tmp_path):
+    text = tmp_path / "prose.txt"
+    text.write_text(PROSE)
+    with pytest.raises(ConvertError, match="lossy.*text=FILE.*max_ppl_ratio=R"):
+        converted(tmp_path, tiny_llama(3), calib=ids(64, 2))
+    result = converted(tmp_path, tiny_llama(3), calib=ids(64, 2), text=text, max_ppl_ratio=1.5, tokens=64)
+    target = result.report["target"]
+    assert not target["exact"] and "LOSSY" in target["note"]
+    assert target["cache_values_per_token_per_layer"] == 192 + 64  # the latent capped by the hidden size
+    assert target["perplexity_ratio"] < 1.5
+
+
+def test_float16_file_rescales_and_stays_close(tmp_path):
+    model = tiny_llama(1).to(torch.float16)
+    result = converted(tmp_path, model)
+    export = result.config["convert_export"]
+    assert export["tensor_type"] == "float16" and export["residual_scale_log2"] < 0
+    tensors, _ = read_gguf(tmp_path / "out" / "model.gguf")
+    assert all(torch.isfinite(t).all() for t in tensors.values())
+    with torch.no_grad():
+        want = tiny_llama(1)(ids()).logits
+        got = load(tmp_path / "out", "cpu", torch.float32)(ids()).logits
+    assert (got - want).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize(
+    "make, options, match",
+    [
+        (lambda: tiny_llama(1, hidden_act="gelu"), {}, "SwiGLU"),
+        (
+            lambda: tiny_llama(1, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+            {},
+            "linear",
+        ),
+        (lambda: tiny_llama(1), {"kv_cache_ratio": 0.5}, "kv.cache.ratio"),
+    ],
+)
+def test_refusals(tmp_path, make, options, match):
+    with pytest.raises(ConvertError, match=match):
+        converted(tmp_path, make(), **options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tampered_file_fails_verification(tmp_path):
+    converted(tmp_path, tiny_llama(1))
+    path = tmp_path / "out" / "model.gguf"
+    reader = gguf.GGUFReader(str(path), "r+")
+    tensor = next(t for t in reader.tensors if t.name == "blk.1.attn_v_b.weight")
+    tensor.data[0] *= -1  # one head's values flipped, written through the memory map
+    reader.data.flush()
+    del reader
+    report = verify_paths(tmp_path / "src", tmp_path / "out", progress=False)
+    assert report["verdict"] == "FAIL"
+
+
+# ------------------------------------------------------------------ the real engine
+
+_ENGINE_RUN = """
+import json, sys, numpy as np, llama_cpp
+path, ids, steps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+llm = llama_cpp.Llama(path, n_ctx=256, logits_all=True, verbose=False, n_threads=1)
+llm.eval(ids)
+scores = np.asarray(llm.scores[: len(ids)], dtype=np.float64)
+logp = scores - np.log(np.exp(scores - scores.max(-1, keepdims=True)).sum(-1, keepdims=True)) - scores.max(-1, keepdims=True)
+greedy = []
+for _ in range(steps):
+    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    greedy.append(token)
+    llm.eval([token])
+print(json.dumps({"logp": [float(logp[i, t]) for i, t in enumerate(ids[1:])], "greedy": greedy}))
+"""
+
+
+def engine_run(path, prompt: list[int], steps: int = 8) -> dict:
+    run = subprocess.run(
+        [str(ENGINE), "-c", _ENGINE_RUN, str(path), json.dumps(prompt), str(steps)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def our_run(model, prompt: list[int], steps: int = 8) -> dict:
+    with torch.no_grad():
+        x = torch.tensor([prompt])
+        logp = torch.log_softmax(model(x).logits[0].double(), -1)
+        greedy = model.generate(x, max_new_tokens=steps, do_sample=False, min_new_tokens=steps)[0, len(prompt) :]
+    return {"logp": [float(logp[i, t]) for i, t in enumerate(prompt[1:])], "greedy": greedy.tolist()}
+
+
+@needs_engine
+@pytest.mark.parametrize("n_kv_heads", [1, 3])
+def test_llama_cpp_computes_what_we_wrote(tmp_path, n_kv_heads):
+    """F32: llama.cpp's prompt log-probs within 1e-3 of our reading of the same file, greedy identical
+    (one head: the original model itself; three, SmolLM2's shape: the lossy export's)."""
+    text = tmp_path / "prose.txt"
+    text.write_text(PROSE)
+    lossy = {"calib": ids(64, 2), "text": text, "max_ppl_ratio": 2.0, "tokens": 64} if n_kv_heads > 1 else {}
+    converted(tmp_path, tiny_llama(n_kv_heads), **lossy)
+    prompt = ids(32, 5)[0].tolist()
+    ours = our_run(load(tmp_path / "out", "cpu", torch.float32), prompt)
+    theirs = engine_run(tmp_path / "out" / "model.gguf", prompt)
+    assert np.abs(np.array(ours["logp"]) - np.array(theirs["logp"])).max() < 1e-3
+    assert ours["greedy"] == theirs["greedy"]
