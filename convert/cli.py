@@ -79,6 +79,7 @@ def gqa2mla(src, output, **options):
     converted attention is checked against the original and the report written
     beside the weights; a FAIL exits 1.
     """
+    options["calib"] = list(options.get("calib") or ()) or None  # --calib repeated: a list; none: the default
     opts = ConvertOptions.from_kwargs(**options)
     check_options(opts)  # refused before torch is imported; the API checks again
     _check_source(src, options.get("arch"))

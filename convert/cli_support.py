@@ -113,7 +113,7 @@ def click_option(f):
     if kind is Path:
         kind = click.Path(path_type=Path)
     if meta.get("multiple"):
-        return click.option(*decls, name, type=kind, multiple=True, **common)
+        return click.option(*decls, name, type=kind, multiple=True, default=default, **common)
     return click.option(*decls, name, type=kind, default=default, show_default=default is not None, **common)
 
 

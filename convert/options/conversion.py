@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -296,7 +297,9 @@ class ConvertOptions(VerifyOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.calib, (list, tuple)):  # the CLI's repeated --calib; none given: the default
+        if isinstance(self.calib, (str, os.PathLike)):  # one path (the API): a list of one
+            self.calib = [Path(self.calib)]
+        elif isinstance(self.calib, (list, tuple)):  # the CLI's repeated --calib; none given: the default
             self.calib = [Path(p) for p in self.calib] or None
         choice("--target", self.target, TARGETS)
         choice("--layout", self.layout, LAYOUTS)
@@ -391,10 +394,10 @@ class ConvertOptions(VerifyOptions):
 
     @property
     def calibration_names(self) -> list[str] | None:
-        """What a compression calibrates on, for its report: the shipped kinds by name, files by file
-        name (None: an exact conversion, or one by weight SVD, reads no text)."""
-        if not self.lossy or self.resolved_method == "svd":
-            return None
+        """What a compression (or an export that calibrates) calibrates on, for its report: the shipped
+        kinds by name, files by file name (None: an exact native conversion, or weight SVD, reads no text)."""
+        if (self.target == "mla" and not self.lossy) or (self.lossy and self.resolved_method == "svd"):
+            return None  # an exact native conversion, or weight SVD: no text read
         if self.calib is None:
             return list(KINDS)
         if not isinstance(self.calib, list):

@@ -155,14 +155,12 @@ def _verify_with(original, converted, opts: VerifyOptions) -> dict:
         runnable = mla.source_architecture != "seed"
         with timings("tokens"):
             ids, segments = _judged_ids(text, orig, config, tokens, runnable, limits)
+        # the per-layer check (information when lossy) runs on the first text, --tokens long, as when exact
+        layer_ids = None if ids is None or not (text or segments) else ids[:, :tokens]
         cap = _memory_cap(opts, run, tokens if ids is None else ids.shape[-1])  # refused here, before any check
         bar = lambda it: progress(it, "verifying", "layer", opts.progress)
         with timings("layers"):
-            layers = (
-                check_hf_layers(run, ids if text or segments else None, tokens, bar)
-                if runnable
-                else check_seed_layers(run, tokens, bar)
-            )
+            layers = check_hf_layers(run, layer_ids, tokens, bar) if runnable else check_seed_layers(run, tokens, bar)
         release_freed_memory()  # the per-layer check's freed modules, before the end-to-end part
         e2e, skipped = None, "the source architecture has no transformers causal LM" if not runnable else None
         if runnable:

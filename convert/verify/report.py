@@ -127,7 +127,7 @@ def text_warnings(report: dict) -> list[str]:
     out = [f"worst: {worst['text']}, perplexity ×{worst['ppl_ratio']:.3f} the original's"]
     calibrated = report["options"].get("calibrated_on")
     if not calibrated:
-        return out + ["what the compression was calibrated on is not known here (a separate `convert verify`)"]
+        return out + ["what it was calibrated on is not recorded (weight SVD reads no text; an older checkpoint)"]
     shipped = {r["text"]: r for r in rows if not r["text"].startswith("--text")}
     own = [name for name in calibrated if name not in shipped]
     given = report["options"].get("text")

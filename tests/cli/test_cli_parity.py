@@ -21,6 +21,11 @@ NOT_OPTIONS = {"gqa2mla": {"src", "output"}, "verify": {"original", "converted",
 COMMANDS = {"gqa2mla": ConvertOptions, "verify": VerifyOptions}
 
 
+def _flag_fields(cls) -> list[dataclasses.Field]:
+    """The fields that are flags (not those of the Python API alone, `cli=False`)."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
+
+
 def _params(command: str) -> dict[str, click.Parameter]:
     params = main.commands[command].params
     return {p.name: p for p in params if p.name not in NOT_OPTIONS[command]}
@@ -28,14 +33,14 @@ def _params(command: str) -> dict[str, click.Parameter]:
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_flag_is_a_field_and_every_field_a_flag(command):
-    fields = {f.name for f in dataclasses.fields(COMMANDS[command])}
+    fields = {f.name for f in _flag_fields(COMMANDS[command])}
     assert set(_params(command)) == fields
 
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_defaults_and_choices_match(command):
     params = _params(command)
-    for f in dataclasses.fields(COMMANDS[command]):
+    for f in _flag_fields(COMMANDS[command]):
         param = params[f.name]
         assert param.default == f.default, f.name
         if f.metadata["choices"]:
@@ -65,7 +70,8 @@ NON_DEFAULTS = {
     "kv_cache_ratio": (["--kv-cache-ratio", "0.5"], 0.5),
     "method": (["--method", "whitened"], "whitened"),
     "allocation": (["--allocation", "global"], "global"),
-    "calib": (["--calib", "c.txt"], Path("c.txt")),
+    "calib": (["--calib", "c.txt", "--calib", "d.jsonl"], [Path("c.txt"), Path("d.jsonl")]),
+    "shrinkage": (["--shrinkage", "0.25"], 0.25),
     "calib_tokens": (["--calib-tokens", "99"], 99),
     "fisher_tokens": (["--fisher-tokens", "77"], 77),
     "nope_angle": (["--nope-angle", "1.5"], 1.5),
@@ -79,7 +85,7 @@ NON_DEFAULTS = {
 
 
 def test_the_table_above_covers_every_field():
-    assert set(NON_DEFAULTS) == {f.name for f in dataclasses.fields(ConvertOptions)}
+    assert set(NON_DEFAULTS) == {f.name for f in _flag_fields(ConvertOptions)}
 
 
 @pytest.mark.parametrize("name", sorted(NON_DEFAULTS))
@@ -96,7 +102,7 @@ def test_a_flag_reaches_the_api_as_its_field(monkeypatch, tmp_path, name):
     result = CliRunner().invoke(main, ["gqa2mla", str(tmp_path / "src"), *args])
     assert result.exit_code == 0, result.output
     assert seen[name] == value
-    others = {f.name: f.default for f in dataclasses.fields(ConvertOptions) if f.name != name}
+    others = {f.name: f.default for f in _flag_fields(ConvertOptions) if f.name != name}
     assert {k: seen[k] for k in others} == others
 
 
