@@ -38,6 +38,12 @@ class ConvertError(Exception):
             message = _python_terms(message)
         super().__init__(message, *args)
 
+    @classmethod
+    def unreadable(cls, path, exc: OSError, what: str = "") -> "ConvertError":
+        """An input file the system will not let us read: its path, what it is, the system's reason."""
+        what = f" {what}" if what else ""
+        return cls(f"{path}: cannot read{what} ({exc.strerror}); check the path and permissions")
+
 
 class UnknownOption(ConvertError, TypeError):
     """A keyword the function does not take (a TypeError too, as Python's own for a bad keyword)."""

@@ -142,8 +142,7 @@ def calibration_ids(source, opts) -> torch.Tensor:
     streams = []
     for part in calibration_parts(opts.calib):
         if isinstance(part, str):
-            docs = kind_documents(part, "calib", tokenizer)
-            streams.append(t for doc in docs for t in tokenize(doc))
+            streams.append(_kind_stream(part, "calib", tokenizer, tokenize))
         else:
             streams.append(token_stream([part], tokenize, what="--calib"))
     ids = interleaved_windows(streams, opts.calib_tokens, CALIB_WINDOW)
@@ -185,6 +184,11 @@ def judging_ids(model_root: Path | None, vocab_size: int, n_tokens: int) -> dict
     tokenizer = None if model_root is None else model_tokenizer(model_root)
     judged = {}
     for kind in KINDS:
-        stream = (t for doc in kind_documents(kind, "held_out", tokenizer) for t in tokenize(doc))
+        stream = _kind_stream(kind, "held_out", tokenizer, tokenize)
         judged[kind] = torch.tensor([t for _, t in zip(range(n_tokens), stream)], dtype=torch.long)[None]
     return judged
+
+
+def _kind_stream(kind: str, part: str, tokenizer, tokenize) -> Iterator[int]:
+    """The token ids of the shipped text of one kind, `part` ("calib" or "held_out"), document by document."""
+    return (t for doc in kind_documents(kind, part, tokenizer) for t in tokenize(doc))

@@ -236,7 +236,7 @@ def parse_header(path: Path) -> GGUFHeader:
         size = path.stat().st_size
         f = open(path, "rb")
     except OSError as exc:
-        raise ConvertError(f"{path}: cannot read ({exc.strerror}); check the path and permissions") from None
+        raise ConvertError.unreadable(path, exc) from None
     with f:
         if size < 24:
             raise _refuse(path, f"only {size} bytes, too short for a GGUF header")
@@ -652,7 +652,13 @@ def _permuted_heads(header: GGUFHeader, family: Family, name: str, config: dict)
 def gguf_config(path: Path | str) -> dict[str, Any]:
     """The config.json dict of the GGUF file `path`, once its header and every tensor's place in the
     family are checked (what the command line asks before it imports torch)."""
+    return checked_gguf(path)[1]
+
+
+def checked_gguf(path: Path | str) -> tuple[GGUFHeader, dict[str, Any]]:
+    """(header, config.json dict) of the GGUF file `path`, its header parsed once and every tensor's
+    place in the family checked."""
     header = read_gguf_header(path)
     config = hf_config(header)
     hf_tensors(header, config)
-    return config
+    return header, config

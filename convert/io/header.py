@@ -84,7 +84,7 @@ def read_header(path: Path) -> FileHeader:
             f.seek(8)
             header_bytes = f.read(header_len)
     except OSError as exc:
-        raise ConvertError(f"{path}: cannot read ({exc.strerror}); check the path and permissions") from None
+        raise ConvertError.unreadable(path, exc) from None
     data_start = 8 + header_len
     header = _parse_header_json(path, header_bytes)
     metadata = _parse_metadata(path, header.pop("__metadata__", None))

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from convert.errors import ConvertError
-from convert.io.gguf_header import gguf_config, is_gguf, read_gguf_header
+from convert.io.gguf_header import checked_gguf, gguf_config, is_gguf
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -108,13 +108,12 @@ def check_prelude(path: Path) -> tuple[int, int]:
     of its header; ConvertError when it cannot be one (too short, a length beyond the file, no JSON).
     A GGUF file's whole header is checked (`convert.io.gguf_header`): (file size, where its data starts)."""
     if is_gguf(path):
-        gguf_config(path)
-        return path.stat().st_size, read_gguf_header(path).data_start
+        return path.stat().st_size, checked_gguf(path)[0].data_start
     try:
         size = path.stat().st_size
         f = open(path, "rb")
     except OSError as exc:
-        raise ConvertError(f"{path}: cannot read ({exc.strerror}); check the path and permissions") from None
+        raise ConvertError.unreadable(path, exc) from None
     with f:
         raw_len = f.read(8)
         if len(raw_len) < 8:
@@ -140,7 +139,7 @@ def read_json(path: Path, what: str, fix: str) -> Any:
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise ConvertError(f"{path}: cannot read {what} ({exc.strerror}); check the path and permissions") from None
+        raise ConvertError.unreadable(path, exc, what) from None
     try:
         return parse_json(data)
     except ValueError as exc:

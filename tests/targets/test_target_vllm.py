@@ -149,9 +149,16 @@ def test_api_writes_a_report_that_says_where_it_is_lossy(tmp_path):
     assert target["cache_bytes_per_token"] == 576 * 4 * LAYERS
     assert "LOSSY" in target["note"] and "LARGER" in target["note"]
     assert "Target vllm" in (result.output / "verification.md").read_text()
-    with pytest.raises(ConvertError, match="calib"):
+    with pytest.raises(ConvertError, match="lossy.*max_ppl_ratio=R"):
         convert.gqa2mla(tmp_path / "src", tmp_path / "out2", target="vllm")
     assert not (tmp_path / "out2").exists()
+    # without calib: calibrated on the shipped mix, as a compression is, and judged on every kind
+    default = convert.gqa2mla(
+        tmp_path / "src", tmp_path / "out3", target="vllm", max_ppl_ratio=1.5, tokens=64, progress=False
+    )
+    assert default.config["convert_export"]["exact"] is False
+    judged = [row["text"] for row in default.report["end_to_end"]["by_text"]]
+    assert sorted(judged) == ["code", "dialogue", "fiction", "technical"]
 
 
 @pytest.mark.parametrize("tied", [True, False])

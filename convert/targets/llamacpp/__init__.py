@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from convert.arch import AttentionSpec
-from convert.compress.refine import Refinement
 from convert.errors import ConvertError
 from convert.hf import build_causal_lm, load_strict
 from convert.io.reader import dtype_itemsize
@@ -22,12 +21,9 @@ from convert.targets.deepseek import check_deepseek, export_spec
 from convert.targets.llamacpp.engine import QUANTIZED, quantize
 from convert.targets.llamacpp.gguf_file import read_gguf, write_gguf
 from convert.targets.llamacpp.vocab import source_vocab
-from convert.targets.vllm import export_statistics, latent_sequential
-from convert.targets.vllm.bias import biased_projections
-from convert.targets.vllm.export import ExportChoices, stream_export
-from convert.targets.vllm.geometry import needs_compression
-from convert.targets.vllm.rope import check_vllm_exportable, needs_calibration
-from convert.text import calibration_ids
+from convert.targets.vllm import export_choices
+from convert.targets.vllm import report as vllm_report
+from convert.targets.vllm.export import stream_export
 
 NAME = "llamacpp"
 FILE = "model.gguf"
@@ -64,7 +60,7 @@ def build(source, opts) -> Build:
     _check_family(config)
     state = LazyTensors(source)
     export_config, view, spec = export_spec(state, config, NAME, opts)
-    choices = _choices(source, view, spec, export_config, opts)
+    choices = export_choices(source, view, spec, export_config, opts, NAME, torch.float32)
     _, ds_config, tensors = stream_export(state, export_config, view, spec, choices)
     stored = view.dtype(spec.tensor(0, "q"))
     tensor_type = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(stored, "float32")
@@ -87,33 +83,6 @@ def build(source, opts) -> Build:
         options=opts,
         extra=extra,
     )
-
-
-def _choices(source, view, spec: AttentionSpec, config: dict, opts) -> ExportChoices:
-    """The vllm export's choices: its refusals, its calibration where it is lossy, float32 tensors."""
-    biased = biased_projections(spec, view)
-    calibrate = needs_calibration(spec, config, bool(biased))
-    check_vllm_exportable(config, spec, view, torch.float32, opts.calib is not None or not calibrate)
-    lossy = calibrate or needs_compression(spec, config["hidden_size"])
-    if lossy and opts.verify and (opts.text is None or opts.max_ppl_ratio is None):
-        raise ConvertError(
-            "--target llamacpp is lossy for this model (llama.cpp rotates one 64-dim key shared by all heads at one "
-            "frequency set): verification judges it by perplexity on real text, so pass --text FILE (a text unlike "
-            "--calib) and --max-ppl-ratio R (e.g. 1.1), or --no-verify"
-        )
-    if opts.calib is None:
-        return ExportChoices(dtype=torch.float32)
-    ids = calibration_ids(source, opts)
-    compressed = needs_compression(spec, config["hidden_size"])
-    stats = export_statistics(
-        source, config, view, spec, ids, fisher=compressed, lossy=calibrate, output_bias="o" in biased,
-        progress=opts.progress, fisher_tokens=opts.fisher_tokens,
-    )  # fmt: skip
-    if not compressed:
-        return ExportChoices(stats=stats, dtype=torch.float32)
-    refinement = Refinement.sized(opts.refine_steps, whole_windows=True)
-    sequential = latent_sequential(source, config, ids, opts.calibration, refinement)
-    return ExportChoices(stats=stats, dtype=torch.float32, sequential=sequential)
 
 
 def _latent(ds_config: dict) -> int:
@@ -161,7 +130,7 @@ def model(state: dict, config: dict, opts, dtype: torch.dtype, device):
     source = attention_view(StateDictSource(state, config), config)
     _check_family(config)
     export_config, view, spec = export_spec(state, config, NAME, opts)
-    choices = _choices(source, view, spec, export_config, opts)
+    choices = export_choices(source, view, spec, export_config, opts, NAME, torch.float32)
     _, ds_config, tensors = stream_export(state, export_config, view, spec, choices)
     out, vocab = dict(tensors), source_vocab(Path(tempfile.gettempdir()) / "no-tokenizer")
     with tempfile.TemporaryDirectory(prefix="convert-llamacpp-") as tmp:
@@ -196,19 +165,14 @@ def _deepseek(gguf_path: Path, config: dict, dtype, device):
 
 
 def report(export: dict, e2e: dict | None, ckpt_dtype: torch.dtype) -> dict:
-    """The report's section: the cache llama.cpp keeps against the GQA original's, and whether exact
-    (bytes in the original checkpoint's dtype, as llama.cpp's default F16 cache of a half model)."""
-    size, layers = dtype_itemsize(ckpt_dtype), len(export["rotary_key_energy_kept"])
-    return {
+    """The report's section: the vllm target's (the cache llama.cpp keeps against the GQA original's,
+    bytes in the original checkpoint's dtype, as llama.cpp's default F16 cache of a half model), with
+    the file and its tensor type."""
+    section = vllm_report(export, e2e, ckpt_dtype)
+    return section | {
         "name": NAME,
-        "exact": export["exact"],
         "file": export["file"],
         "tensor_type": export["tensor_type"],
-        "cache_values_per_token_per_layer": export["kv_cache_dims_per_token_per_layer"],
-        "gqa_cache_values_per_token_per_layer": export["gqa_cache_dims_per_token_per_layer"],
-        "cache_bytes_per_token": export["kv_cache_dims_per_token_per_layer"] * size * layers,
-        "gqa_cache_bytes_per_token": export["gqa_cache_dims_per_token_per_layer"] * size * layers,
-        "perplexity_ratio": (e2e or {}).get("ppl_ratio"),
         "note": short_note(export),
     }
 

@@ -29,6 +29,7 @@ __all__ = [
     "ExportChoices",
     "build",
     "check",
+    "export_choices",
     "export_statistics",
     "latent_sequential",
     "load",
@@ -87,33 +88,32 @@ def load(path, device, dtype):
 
 def _export(source, state_dict, opts):
     """(layout, config_dict, tensor stream, spec) of `source`'s export: resolved and refused once (the
-    conversion's refusals, then vLLM's), calibrated on --calib when given. state_dict: the source's
-    tensors by name (read lazily from a checkpoint)."""
+    conversion's refusals, then vLLM's), calibrated where it is lossy or --calib is given. state_dict:
+    the source's tensors by name (read lazily from a checkpoint)."""
     config, view, spec = export_spec(state_dict, source.config or {}, NAME, opts)
-    dtype = view.dtype(spec.tensor(0, "q"))
-    biased = biased_projections(spec, view)
-    calibrate = needs_calibration(spec, config, bool(biased))
-    check_vllm_exportable(config, spec, view, dtype, opts.calib is not None or not calibrate)
-    if (calibrate or needs_compression(spec, config["hidden_size"])) and opts.verify:
-        if opts.text is None or opts.max_ppl_ratio is None:
-            raise ConvertError(
-                "--target vllm is lossy for this model (vLLM rotates 64 key dims shared by all heads at one "
-                "frequency set): verification judges it by perplexity on real text, so pass --text FILE (a text "
-                "unlike --calib) and --max-ppl-ratio R (e.g. 1.1), or --no-verify"
-            )
-    choices = ExportChoices()
-    if opts.calib is not None:
-        choices = _calibrated(source, view, spec, config, opts, biased, calibrate)
+    choices = export_choices(source, view, spec, config, opts, NAME)
     layout, export_config, tensors = stream_export(state_dict, config, view, spec, choices)
     return layout, export_config, tensors, spec
 
 
-def _calibrated(source, view, spec: AttentionSpec, config: dict, opts, biased: list[str], lossy: bool) -> ExportChoices:
-    """The export's choices from --calib: the statistics (`export_statistics`) and, where the latent is
-    compressed, its sequential calibration and refinement (`latent_sequential`, refined as long as the
-    device's default unless --refine-steps says). lossy: `needs_calibration` of the export."""
-    ids = calibration_ids(source, opts)
+def export_choices(source, view, spec: AttentionSpec, config: dict, opts, target: str, dtype=None) -> ExportChoices:
+    """The export's choices (the vllm construction's, shared by the llamacpp target): vLLM's refusals,
+    then, where the export is lossy (`needs_calibration`, a compressed latent) or --calib is given, its
+    calibration on --calib (the shipped mix when not given, as a compression's), tensors in `dtype`
+    (None: the source's). A lossy export is judged by its perplexity ratio: --max-ppl-ratio is needed."""
+    biased = biased_projections(spec, view)
+    calibrate = needs_calibration(spec, config, bool(biased))
     compressed = needs_compression(spec, config["hidden_size"])
+    check_vllm_exportable(config, spec, view, dtype or view.dtype(spec.tensor(0, "q")), True)
+    if (calibrate or compressed) and opts.verify and opts.max_ppl_ratio is None:
+        raise ConvertError(
+            f"--target {target} is lossy for this model (one 64-dim rotary key shared by all heads, at one frequency "
+            "set): verification judges it by the perplexity ratio on each kind of text (the shipped held-out text, "
+            "and --text FILE when given), so pass --max-ppl-ratio R (e.g. 1.5), or --no-verify"
+        )
+    if opts.calib is None and not (calibrate or compressed):
+        return ExportChoices(dtype=dtype)  # exact: nothing to calibrate
+    ids = calibration_ids(source, opts)
     stats = export_statistics(
         source,
         config,
@@ -121,13 +121,14 @@ def _calibrated(source, view, spec: AttentionSpec, config: dict, opts, biased: l
         spec,
         ids,
         fisher=compressed,
-        lossy=lossy,
+        lossy=calibrate,
         output_bias="o" in biased,
         progress=opts.progress,
         fisher_tokens=opts.fisher_tokens,
     )
     if not compressed:
-        return ExportChoices(stats=stats)
+        return ExportChoices(stats=stats, dtype=dtype)
     # each compressed layer fitted to its attention output, as the MLA layouts are (sized to the device)
     refinement = Refinement.sized(opts.refine_steps, whole_windows=True)  # the export's attention: every position
-    return ExportChoices(stats=stats, sequential=latent_sequential(source, config, ids, opts.calibration, refinement))
+    sequential = latent_sequential(source, config, ids, opts.calibration, refinement)
+    return ExportChoices(stats=stats, dtype=dtype, sequential=sequential)
