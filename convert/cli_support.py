@@ -109,7 +109,7 @@ def click_option(f):
     decls = [d for d in (meta["short"], meta["flag"] or "--" + name.replace("_", "-")) if d]
     if isinstance(default, bool):
         return click.option(*decls, name, is_flag=True, default=default, **common)
-    kind = click.Choice(meta["choices"]) if meta["choices"] else (meta["kind"] or type(default))
+    kind = click.Choice(meta["choices"], case_sensitive=False) if meta["choices"] else (meta["kind"] or type(default))
     if kind is Path:
         kind = click.Path(path_type=Path)
     if meta.get("multiple"):

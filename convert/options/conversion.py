@@ -16,6 +16,7 @@ from convert.options.fields import (
     CALIBRATIONS,
     DEVICES,
     E2E_MODES,
+    GGUF_TYPES,
     LATENTS,
     LAYOUTS,
     METHODS,
@@ -167,7 +168,8 @@ class ConvertOptions(VerifyOptions):
     kv_cache_ratio: float | None = option(
         None,
         "Keep this fraction of the GQA KV cache (e.g. 0.5), calibrated on --calib (default: the shipped mix) and "
-        "judged by the perplexity ratio on each kind of text against --max-ppl-ratio (or --no-verify).",
+        "judged by the perplexity ratio on each kind of text against --max-ppl-ratio (or --no-verify). With "
+        "--target llamacpp: the latent plus its 64-dim rotary key.",
         group="compression",
         kind=float,
     )
@@ -188,8 +190,8 @@ class ConvertOptions(VerifyOptions):
     )
     calib: Path | list | torch.Tensor | None = option(
         None,
-        "Text to calibrate the compression on: UTF-8 .txt/.md, .jsonl or .parquet (a 'text' field); repeat for "
-        "several files, a window of each in turn. A name fiction, technical, code or dialogue (no such file) "
+        "Text to calibrate a compression (or a lossy vllm or llamacpp export) on: UTF-8 .txt/.md, .jsonl or "
+        ".parquet (a 'text' field); repeat for several files, a window of each in turn. A name fiction, technical, code or dialogue (no such file) "
         "is that kind of the shipped text. Default: the shipped mix of all four (convert/corpus/SOURCES.md).",
         group="compression",
         kind=Path,
@@ -263,12 +265,19 @@ class ConvertOptions(VerifyOptions):
     )
     target: str = option(
         "mla",
-        "mla: this package's format, the only one that compresses. transformers: DeepseekV3 for stock "
+        "mla: this package's format, every layout and compression. transformers: DeepseekV3 for stock "
         "transformers, exact. vllm: DeepseekV3 for vLLM's MLA kernels (576 cached values per token and "
-        "layer). llamacpp: one GGUF (deepseek2) for llama.cpp. vllm and llamacpp are lossy unless one K/V "
-        "head of dim 64 (docs/serving.md).",
+        "layer). llamacpp: one GGUF (deepseek2) for llama.cpp, sized by --kv-cache-ratio. vllm and llamacpp "
+        "are lossy unless one K/V head of dim 64 (docs/serving.md).",
         group="target",
         choices=TARGETS,
+    )
+    gguf_type: str | None = option(
+        None,
+        "With --target llamacpp: the GGUF's tensor type, F32, F16 or BF16 (default: the checkpoint's dtype), or "
+        "Q8_0 / Q4_K_M by llama.cpp's own quantizer (built by scripts/llamacpp_env.sh; lossy: --max-ppl-ratio).",
+        group="output",
+        choices=GGUF_TYPES,
     )
     force: bool = option(
         False, "Replace the output directory if it exists (only one that convert wrote).", group="output"
@@ -302,6 +311,9 @@ class ConvertOptions(VerifyOptions):
         elif isinstance(self.calib, (list, tuple)):  # the CLI's repeated --calib; none given: the default
             self.calib = [Path(p) for p in self.calib] or None
         choice("--target", self.target, TARGETS)
+        if self.gguf_type is not None:
+            self.gguf_type = str(self.gguf_type).upper()  # q4_k_m as llama.cpp's tools accept it
+            choice("--gguf-type", self.gguf_type, GGUF_TYPES)
         choice("--layout", self.layout, LAYOUTS)
         choice("--latent", self.latent, LATENTS)
         if self.head_map is not None:

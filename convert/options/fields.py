@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 #: The `--target` choices: the names of `convert.targets.TARGETS`, which checks the flags each takes.
 TARGETS = ("mla", "transformers", "vllm", "llamacpp")
+#: --gguf-type: the llamacpp target's tensor types (the quantized ones by llama.cpp's own quantizer)
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_K_M")
 LAYOUTS = ("absorbed", "factored")
 LATENTS = ("split", "joint")
 DEVICES = ("auto", "cpu", "cuda")

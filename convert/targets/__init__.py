@@ -24,6 +24,7 @@ class TargetEntry:
     compresses: bool  # takes --layout, --latent, --rank, --kv-cache-ratio, --method, --allocation
     calibrates: bool  # takes --calib, --max-ppl-ratio, --calibration
     export: bool  # writes another runtime's format, recorded in config.json's `convert_export`
+    sized: bool = False  # takes --kv-cache-ratio (the latent's width) without the other --target mla flags
 
     def implementation(self):
         """The module implementing the target's interface (imported on first use: it needs torch)."""
@@ -36,7 +37,9 @@ TARGETS = {
         "transformers", "convert.targets.transformers", compresses=False, calibrates=False, export=True
     ),
     "vllm": TargetEntry("vllm", "convert.targets.vllm", compresses=False, calibrates=True, export=True),
-    "llamacpp": TargetEntry("llamacpp", "convert.targets.llamacpp", compresses=False, calibrates=True, export=True),
+    "llamacpp": TargetEntry(
+        "llamacpp", "convert.targets.llamacpp", compresses=False, calibrates=True, export=True, sized=True
+    ),
 }
 
 
@@ -54,10 +57,14 @@ def check_options(opts) -> None:
         "--refine-queries": opts.refine_queries,  # the vllm export's attention fits every position
     }
     calibration = {"--calib": opts.calib, "--max-ppl-ratio": opts.max_ppl_ratio, "--calibration": opts.calibration}
+    if entry.sized:
+        shape.pop("--kv-cache-ratio")
     ignored = ({} if entry.compresses else shape) | ({} if entry.calibrates else calibration)
     order = ("--layout", "--latent", "--rank", "--kv-cache-ratio", "--method", "--calib", "--allocation")
     later = ("--max-ppl-ratio", "--calibration", "--refine-queries")
     given = [flag for flag in (*order, *later) if ignored.get(flag) not in (None, False)]
+    if opts.gguf_type is not None and opts.target != "llamacpp":
+        raise ConvertError(f"--gguf-type: only for --target llamacpp (--target {opts.target} writes no GGUF); drop it")
     if given:
         raise ConvertError(
             f"{', '.join(given)}: only for --target mla (--target {opts.target} writes one fixed layout); "

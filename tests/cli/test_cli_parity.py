@@ -59,6 +59,7 @@ NON_DEFAULTS = {
     "e2e": (["--e2e", "streamed"], "streamed"),
     "progress": (["-q"], False),
     "target": (["--target", "transformers"], "transformers"),
+    "gguf_type": (["--target", "llamacpp", "--gguf-type", "q8_0"], "Q8_0"),
     "arch": (["--arch", "llama"], "llama"),
     "n_heads": (["--n-heads", "4"], 4),
     "n_kv_heads": (["--n-kv-heads", "2"], 2),
@@ -84,6 +85,10 @@ NON_DEFAULTS = {
 }
 
 
+#: the other flags a flag is given with (it is refused alone)
+NEEDS = {"gguf_type": {"target": "llamacpp"}}
+
+
 def test_the_table_above_covers_every_field():
     assert set(NON_DEFAULTS) == {f.name for f in _flag_fields(ConvertOptions)}
 
@@ -102,7 +107,7 @@ def test_a_flag_reaches_the_api_as_its_field(monkeypatch, tmp_path, name):
     result = CliRunner().invoke(main, ["gqa2mla", str(tmp_path / "src"), *args])
     assert result.exit_code == 0, result.output
     assert seen[name] == value
-    others = {f.name: f.default for f in _flag_fields(ConvertOptions) if f.name != name}
+    others = {f.name: f.default for f in _flag_fields(ConvertOptions) if f.name != name} | NEEDS.get(name, {})
     assert {k: seen[k] for k in others} == others
 
 

@@ -62,6 +62,41 @@ def test_three_kv_heads_are_lossy_and_judged_by_perplexity(tmp_path):
     assert target["perplexity_ratio"] < 1.5
 
 
+def test_kv_cache_ratio_compresses_the_latent_beside_the_rotary_key(tmp_path):
+    """--kv-cache-ratio 0.5 of three heads' 384 values: 192 cached, 64 of them the rotary key, so a
+    128-dim latent (of the 192 the hidden size allows), fitted on the calibration text; the file holds
+    that rank, the report says so, and it is judged as a compression is."""
+    text = tmp_path / "prose.txt"
+    text.write_text(PROSE)
+    options = dict(calib=ids(64, 2), text=text, max_ppl_ratio=100.0, tokens=64)
+    full = converted(tmp_path, tiny_llama(3), **options)
+    half = convert.gqa2mla(tmp_path / "src", tmp_path / "half", target="llamacpp", kv_cache_ratio=0.5, **options,
+                           progress=False)  # fmt: skip
+    reader = gguf.GGUFReader(str(tmp_path / "half" / "model.gguf"))
+    assert int(reader.fields["deepseek2.attention.kv_lora_rank"].contents()) == 128
+    export = half.config["convert_export"]
+    assert export["latent_compressed"] and export["latent_dims_used"] == 128
+    target = half.report["target"]
+    assert target["cache_values_per_token_per_layer"] == 192 and "COMPRESSED" in target["note"]
+    assert full.report["target"]["cache_values_per_token_per_layer"] == 192 + 64
+    # less room, more loss: the compressed file is further from the original than the full-width one
+    error = lambda result: result.report["end_to_end"]["logits_rel_error"]
+    assert error(half) > error(full)
+    with pytest.raises(ConvertError, match="method"):  # the latent's only size knob: no other mla flag
+        convert.gqa2mla(tmp_path / "src", tmp_path / "x", target="llamacpp", kv_cache_ratio=0.5, method="svd")
+
+
+def test_a_bfloat16_checkpoint_is_written_bf16_and_read_back_whole(tmp_path):
+    """Users' checkpoints are bfloat16: the file's BF16 matrices have their full shapes (gguf reads a
+    byte shape for raw data; an element shape halved every row once) and verify exactly."""
+    result = converted(tmp_path, tiny_llama(1).to(torch.bfloat16))
+    reader = gguf.GGUFReader(str(tmp_path / "out" / "model.gguf"))
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    assert embd.tensor_type.name == "BF16" and tuple(int(n) for n in embd.shape) == (192, VOCAB)
+    assert result.config["convert_export"]["tensor_type"] == "bfloat16"
+    assert result.report["verdict"] == "PASS"
+
+
 def test_float16_file_rescales_and_stays_close(tmp_path):
     model = tiny_llama(1).to(torch.float16)
     result = converted(tmp_path, model)
@@ -73,6 +108,61 @@ def test_float16_file_rescales_and_stays_close(tmp_path):
         want = tiny_llama(1)(ids()).logits
         got = load(tmp_path / "out", "cpu", torch.float32)(ids()).logits
     assert (got - want).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("gguf_type, ggml", [("F32", "F32"), ("F16", "F16"), ("bf16", "BF16")])
+def test_gguf_type_sets_the_files_tensor_type(tmp_path, gguf_type, ggml):
+    """--gguf-type over the checkpoint's dtype (a float32 tiny Llama here), any case, as llama.cpp's
+    tools take it; matrices in that type, norms float32 as llama.cpp's converter writes them. Coarser
+    than the checkpoint, every matrix is rounded: lossy, judged by perplexity (a bound is asked for)."""
+    narrowed = ggml != "F32"
+    if narrowed:
+        with pytest.raises(ConvertError, match="rounds every matrix.*max_ppl_ratio"):
+            converted(tmp_path, tiny_llama(1), gguf_type=gguf_type)
+    judged = {"max_ppl_ratio": 1.01, "tokens": 64} if narrowed else {}
+    result = converted(tmp_path, tiny_llama(1), gguf_type=gguf_type, **judged)
+    reader = gguf.GGUFReader(str(tmp_path / "out" / "model.gguf"))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_k_b.weight"] == ggml and types["blk.0.attn_norm.weight"] == "F32"
+    assert result.report["verdict"] == "PASS" and result.config["convert_export"]["exact"] is not narrowed
+    assert ("every matrix rounded" in result.report["target"]["note"]) is narrowed
+
+
+def test_quantized_types_need_the_engine_and_a_perplexity_bound(tmp_path, monkeypatch):
+    """Q8_0 / Q4_K_M are llama.cpp's quantizer's: without the engine, exit 3 naming the script that
+    builds it; with it, lossy, so --max-ppl-ratio (or --no-verify) is asked for first; refused for
+    another target and for a model in memory."""
+    tiny_llama(1).save_pretrained(tmp_path / "src")
+    monkeypatch.setenv("CONVERT_LLAMACPP_VENV", str(tmp_path / "no-venv"))
+    with pytest.raises(convert.errors.EnvironmentFailure, match="llamacpp_env.sh") as failure:
+        convert.gqa2mla(tmp_path / "src", tmp_path / "out", target="llamacpp", gguf_type="Q8_0", progress=False)
+    assert failure.value.exit_code == 3 and not (tmp_path / "out").exists()
+    with pytest.raises(ConvertError, match="gguf_type.*only for target='llamacpp'"):
+        convert.gqa2mla(tmp_path / "src", tmp_path / "out", target="vllm", gguf_type="F16")
+    with pytest.raises(ConvertError, match="gguf_type"):
+        convert.to_mla(tiny_llama(1), target="llamacpp", gguf_type="F16")
+    with pytest.raises(ConvertError, match="gguf_type='Q5_K' is not one of"):
+        convert.gqa2mla(tmp_path / "src", tmp_path / "out", target="llamacpp", gguf_type="q5_k")
+
+
+@needs_engine
+def test_q8_0_by_llama_cpps_quantizer_is_judged_by_perplexity(tmp_path):
+    """--gguf-type Q8_0: llama.cpp's own quantizer writes the file (the F16 it read gone), the matrices
+    Q8_0; read back, it stays close to the original and is reported lossy by quantization only."""
+    text = tmp_path / "prose.txt"
+    text.write_text(PROSE)
+    with pytest.raises(ConvertError, match="lossy.*max_ppl_ratio"):
+        converted(tmp_path, tiny_llama(1), gguf_type="Q8_0")
+    result = convert.gqa2mla(tmp_path / "src", tmp_path / "out", target="llamacpp", gguf_type="Q8_0", text=text,
+                             max_ppl_ratio=1.05, tokens=64, progress=False)  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "out").glob("model.gguf*")) == ["model.gguf"]
+    reader = gguf.GGUFReader(str(tmp_path / "out" / "model.gguf"))
+    assert {t.name: t.tensor_type.name for t in reader.tensors}["blk.0.attn_k_b.weight"] == "Q8_0"
+    export = result.config["convert_export"]
+    assert export["tensor_type"] == "Q8_0" and not export["exact"] and result.config["dtype"] == "float16"
+    note = result.report["target"]["note"]
+    assert "quantized to Q8_0" in note and "rotary key shared" not in note
+    assert result.report["verdict"] == "PASS"
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from convert.arch import AttentionSpec
-from convert.errors import ConvertError
+from convert.errors import ConvertError, EnvironmentFailure
 from convert.hf import build_causal_lm, load_strict
 from convert.io.reader import dtype_itemsize
 from convert.layouts import attention_view
@@ -18,15 +18,19 @@ from convert.options import dtype_name
 from convert.source import LazyTensors, StateDictSource
 from convert.targets import Build
 from convert.targets.deepseek import check_deepseek, export_spec
-from convert.targets.llamacpp.engine import QUANTIZED, quantize
+from convert.targets.llamacpp.engine import QUANTIZED, engine_python, quantize
 from convert.targets.llamacpp.gguf_file import read_gguf, write_gguf
 from convert.targets.llamacpp.vocab import source_vocab
 from convert.targets.vllm import export_choices
 from convert.targets.vllm import report as vllm_report
 from convert.targets.vllm.export import stream_export
+from convert.targets.vllm.geometry import LATENT_DIMS, ROPE_DIM
 
 NAME = "llamacpp"
 FILE = "model.gguf"
+#: --gguf-type's plain types as `write_gguf`'s names (the quantized ones, `QUANTIZED`, stay as named)
+TENSOR_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "Q8_0", "Q4_K_M": "Q4_K_M"}
+CACHE_DTYPES = (torch.float16, torch.bfloat16)
 FOREIGN = "llama.cpp (and llama-cpp-python, Ollama, LM Studio) runs model.gguf as deepseek2 MLA"
 __all__ = ["FILE", "FOREIGN", "NAME", "QUANTIZED", "build", "check", "load", "model", "quantize", "report"]
 
@@ -55,22 +59,32 @@ def _check_family(config: dict) -> None:
 
 def build(source, opts) -> Build:
     """The export made as the vllm target makes it (float32), written as one GGUF into the output
-    directory (`Build.extra`) beside config.json (its `convert_export`) and the tokenizer files."""
+    directory (`Build.extra`) beside config.json (its `convert_export`) and the tokenizer files;
+    quantized (--gguf-type Q8_0, Q4_K_M) by llama.cpp's own quantizer from an F16 file written first."""
     config = source.config or {}
     _check_family(config)
     state = LazyTensors(source)
     export_config, view, spec = export_spec(state, config, NAME, opts)
-    choices = export_choices(source, view, spec, export_config, opts, NAME, torch.float32)
-    _, ds_config, tensors = stream_export(state, export_config, view, spec, choices)
     stored = view.dtype(spec.tensor(0, "q"))
-    tensor_type = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(stored, "float32")
+    tensor_type = TENSOR_TYPES.get(opts.gguf_type) or dtype_name(stored if stored in CACHE_DTYPES else torch.float32)
+    _check_tensor_type(opts, tensor_type, stored)
+    choices = export_choices(source, view, spec, export_config, opts, NAME, torch.float32, latent_rank(spec, opts))
+    _, ds_config, tensors = stream_export(state, export_config, view, spec, choices)
     vocab = source_vocab(getattr(source, "root", None) or Path("."))
     written: dict = {}
 
     def extra(directory: Path) -> None:
         out = dict(tensors)  # one model in memory (float32)
-        chosen = write_gguf(Path(directory) / FILE, out, ds_config, _latent(ds_config), tensor_type, vocab)
-        written.update(_config(chosen, ds_config, tensor_type, vocab))
+        path, latent = Path(directory) / FILE, _latent(ds_config)
+        if opts.gguf_type not in QUANTIZED:
+            chosen = write_gguf(path, out, ds_config, latent, tensor_type, vocab)
+        else:  # llama.cpp quantizes an F16 file (its scales chosen for F16's range), written here first
+            plain = Path(directory) / f"{FILE}.f16"
+            chosen = write_gguf(plain, out, ds_config, latent, "float16", vocab, half=True)
+            out.clear()
+            quantize(plain, path, opts.gguf_type)
+            plain.unlink()  # ours: written just above
+        written.update(_config(chosen, ds_config, tensor_type, vocab, narrowed(tensor_type, stored)))
 
     return Build(
         layout={},
@@ -85,23 +99,63 @@ def build(source, opts) -> Build:
     )
 
 
+def narrowed(tensor_type: str, stored: torch.dtype) -> bool:
+    """Whether the file's tensors are coarser than the checkpoint's (quantized, or a float type other
+    than the checkpoint's own and float32): every matrix of the model rounded, not only the attention's."""
+    return tensor_type not in ("float32", dtype_name(stored))
+
+
+def _check_tensor_type(opts, tensor_type: str, stored: torch.dtype) -> None:
+    """A quantized file needs llama.cpp's quantizer (exit 3 without it); a narrowed one is lossy, so
+    verification needs a perplexity bound."""
+    if tensor_type in QUANTIZED and engine_python() is None:
+        raise EnvironmentFailure(
+            f"--gguf-type {opts.gguf_type} runs llama.cpp's own quantizer, which is not built here: run "
+            "bash scripts/llamacpp_env.sh (about 40 min), or write F16 and quantize with llama-quantize"
+        )
+    if narrowed(tensor_type, stored) and opts.verify and opts.max_ppl_ratio is None:
+        raise ConvertError(
+            f"--gguf-type {opts.gguf_type} rounds every matrix of this {dtype_name(stored)} checkpoint (lossy): "
+            "verification judges it by the perplexity ratio on each kind of text, so pass --max-ppl-ratio R "
+            "(e.g. 1.1), or --no-verify"
+        )
+
+
+def latent_rank(spec: AttentionSpec, opts) -> int:
+    """The latent dims --kv-cache-ratio leaves beside deepseek2's 64-dim rotary key: llama.cpp caches
+    `kv_lora_rank + 64` values per token and layer, that share of the GQA cache's 2·G·d (all of
+    vLLM's usable latent, `LATENT_DIMS`, without the flag: the latent then at the width it needs)."""
+    if opts.kv_cache_ratio is None:
+        return LATENT_DIMS
+    values = round(opts.kv_cache_ratio * 2 * spec.n_kv_heads * spec.head_dim)
+    if values - ROPE_DIM < 1:
+        least = (ROPE_DIM + 1) / (2 * spec.n_kv_heads * spec.head_dim)
+        raise ConvertError(
+            f"--kv-cache-ratio {opts.kv_cache_ratio} keeps {values} values per token and layer, and llama.cpp's "
+            f"deepseek2 caches a {ROPE_DIM}-dim rotary key besides the latent; give at least {least:.3f}"
+        )
+    return min(values - ROPE_DIM, LATENT_DIMS)
+
+
 def _latent(ds_config: dict) -> int:
     """The latent dims the export uses (the rest of vLLM's 512 are zero)."""
     return ds_config["convert_export"]["latent_dims_used"]
 
 
-def _config(chosen: dict, ds_config: dict, tensor_type: str, vocab) -> dict:
+def _config(chosen: dict, ds_config: dict, tensor_type: str, vocab, rounded: bool = False) -> dict:
     """config.json of the output: the DeepseekV3 config the GGUF holds (what `load` rebuilds) and
     `convert_export` (the vllm construction's record, then the file's)."""
     out = dict(ds_config)
     export = dict(out.pop("convert_export"))
     latent = chosen["kv_lora_rank"]
     out |= {"kv_lora_rank": latent, "rms_norm_eps": chosen["rms_norm_eps"], "attention_bias": False}
-    out["dtype"] = tensor_type
+    out["dtype"] = "float16" if tensor_type in QUANTIZED else tensor_type  # llama.cpp's cache: F16 by default
     export |= {
         "target": NAME,
         "file": FILE,
         "tensor_type": tensor_type,
+        "exact": export["exact"] and not rounded,
+        "rounded": rounded,  # every matrix rounded to a coarser type than the checkpoint's (`narrowed`)
         "residual_scale_log2": chosen["residual_scale_log2"],
         "latent_scale_log2": chosen["latent_scale_log2"],
         "kv_cache_dims_per_token_per_layer": latent + out["qk_rope_head_dim"],
@@ -127,10 +181,15 @@ def _sizes(config: dict, spec: AttentionSpec, dtype: torch.dtype) -> dict:
 def model(state: dict, config: dict, opts, dtype: torch.dtype, device):
     """`to_mla(target="llamacpp")`: the model llama.cpp computes from the file, in memory (transformers'
     DeepseekV3 on the GGUF's tensors, read back)."""
+    if opts.gguf_type is not None:
+        raise ConvertError(
+            f"--gguf-type {opts.gguf_type}: the model in memory is llama.cpp's arithmetic in float32; write the file "
+            "with gqa2mla to choose its tensor type"
+        )
     source = attention_view(StateDictSource(state, config), config)
     _check_family(config)
     export_config, view, spec = export_spec(state, config, NAME, opts)
-    choices = export_choices(source, view, spec, export_config, opts, NAME, torch.float32)
+    choices = export_choices(source, view, spec, export_config, opts, NAME, torch.float32, latent_rank(spec, opts))
     _, ds_config, tensors = stream_export(state, export_config, view, spec, choices)
     out, vocab = dict(tensors), source_vocab(Path(tempfile.gettempdir()) / "no-tokenizer")
     with tempfile.TemporaryDirectory(prefix="convert-llamacpp-") as tmp:
@@ -181,9 +240,24 @@ def short_note(export: dict) -> str:
     """What the file keeps and loses, in one line."""
     cache, gqa = export["kv_cache_dims_per_token_per_layer"], export["gqa_cache_dims_per_token_per_layer"]
     size = f"llama.cpp caches {cache} values per token and layer (GQA: {gqa})"
+    if export.get("latent_compressed"):
+        size += (
+            f"; the latent COMPRESSED to {export['latent_dims_used']} of the {export['latent_content_dims']} dims the "
+            "position-free keys and values need (--kv-cache-ratio)"
+        )
     if export["exact"]:
         return f"for llama.cpp ({FILE}): exact; {size}"
-    return (
-        f"for llama.cpp ({FILE}): LOSSY, one 64-dim rotary key shared by all {export['n_kv_heads']} key heads "
-        f"(the other rotary mixtures position-free): check the perplexity ratio before serving; {size}"
-    )
+    why = []
+    shared = export["n_kv_heads"] > 1 or export.get("frequency_fold", 1) > 1
+    if shared or export.get("source_rope_type", "default") != "default":
+        why.append(f"one 64-dim rotary key shared by all {export['n_kv_heads']} key heads (the other rotary "
+                   "mixtures position-free)")  # fmt: skip
+    if export.get("attention_biases"):
+        why.append("the attention biases carried in the weights")
+    if export.get("latent_compressed"):
+        why.append("the latent compressed")
+    if export["tensor_type"] in QUANTIZED:
+        why.append(f"quantized to {export['tensor_type']} by llama.cpp's quantizer")
+    elif export.get("rounded"):
+        why.append(f"every matrix rounded to {export['tensor_type']}")
+    return f"for llama.cpp ({FILE}): LOSSY, {'; '.join(why)}: check the perplexity ratio before serving; {size}"

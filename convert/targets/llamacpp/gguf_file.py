@@ -147,8 +147,8 @@ def _hparams(writer, config: dict, latent: int, eps: float, tensor_type: str) ->
 def _add_tensor(writer, name: str, t: torch.Tensor, tensor_type: str) -> None:
     kind = gguf.GGMLQuantizationType.F32 if t.dim() == 1 else TYPES[tensor_type]
     if kind == gguf.GGMLQuantizationType.BF16:
-        data = t.to(torch.bfloat16).view(torch.int16).numpy()
-        writer.add_tensor(name, data.view(np.uint8), raw_shape=data.shape, raw_dtype=kind)
+        data = t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)  # (..., 2·columns) bytes
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)  # a byte shape, as gguf reads it
     else:
         writer.add_tensor(name, t.numpy().astype(np.float16 if kind == gguf.GGMLQuantizationType.F16 else np.float32))
 

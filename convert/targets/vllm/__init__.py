@@ -16,7 +16,7 @@ from convert.targets.deepseek import check_deepseek, export_model, export_sizes,
 from convert.targets.vllm.bias import biased_projections
 from convert.targets.vllm.calibration import VLLM_CALIBRATION, export_statistics, latent_sequential
 from convert.targets.vllm.export import ExportChoices, stream_export, to_vllm_deepseek, vllm_export
-from convert.targets.vllm.geometry import needs_compression
+from convert.targets.vllm.geometry import LATENT_DIMS, needs_compression
 from convert.targets.vllm.notes import NAME, report, short_note
 from convert.targets.vllm.rope import check_vllm_exportable, needs_calibration
 from convert.targets.vllm.runtime import match_vllm_norms
@@ -96,14 +96,17 @@ def _export(source, state_dict, opts):
     return layout, export_config, tensors, spec
 
 
-def export_choices(source, view, spec: AttentionSpec, config: dict, opts, target: str, dtype=None) -> ExportChoices:
+def export_choices(
+    source, view, spec: AttentionSpec, config: dict, opts, target: str, dtype=None, rank: int = LATENT_DIMS
+) -> ExportChoices:
     """The export's choices (the vllm construction's, shared by the llamacpp target): vLLM's refusals,
     then, where the export is lossy (`needs_calibration`, a compressed latent) or --calib is given, its
     calibration on --calib (the shipped mix when not given, as a compression's), tensors in `dtype`
-    (None: the source's). A lossy export is judged by its perplexity ratio: --max-ppl-ratio is needed."""
+    (None: the source's), the latent at most `rank` dims (compressed below the content's). A lossy
+    export is judged by its perplexity ratio: --max-ppl-ratio is needed."""
     biased = biased_projections(spec, view)
     calibrate = needs_calibration(spec, config, bool(biased))
-    compressed = needs_compression(spec, config["hidden_size"])
+    compressed = needs_compression(spec, config["hidden_size"], rank)
     check_vllm_exportable(config, spec, view, dtype or view.dtype(spec.tensor(0, "q")), True)
     if (calibrate or compressed) and opts.verify and opts.max_ppl_ratio is None:
         raise ConvertError(
@@ -112,7 +115,7 @@ def export_choices(source, view, spec: AttentionSpec, config: dict, opts, target
             "and --text FILE when given), so pass --max-ppl-ratio R (e.g. 1.5), or --no-verify"
         )
     if opts.calib is None and not (calibrate or compressed):
-        return ExportChoices(dtype=dtype)  # exact: nothing to calibrate
+        return ExportChoices(dtype=dtype, rank=rank)  # exact: nothing to calibrate
     ids = calibration_ids(source, opts)
     stats = export_statistics(
         source,
@@ -127,8 +130,8 @@ def export_choices(source, view, spec: AttentionSpec, config: dict, opts, target
         fisher_tokens=opts.fisher_tokens,
     )
     if not compressed:
-        return ExportChoices(stats=stats, dtype=dtype)
+        return ExportChoices(stats=stats, dtype=dtype, rank=rank)
     # each compressed layer fitted to its attention output, as the MLA layouts are (sized to the device)
     refinement = Refinement.sized(opts.refine_steps, whole_windows=True)  # the export's attention: every position
     sequential = latent_sequential(source, config, ids, opts.calibration, refinement)
-    return ExportChoices(stats=stats, dtype=dtype, sequential=sequential)
+    return ExportChoices(stats=stats, dtype=dtype, rank=rank, sequential=sequential)
