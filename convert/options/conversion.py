@@ -191,8 +191,9 @@ class ConvertOptions(VerifyOptions):
     calib: Path | list | torch.Tensor | None = option(
         None,
         "Text to calibrate a compression (or a lossy vllm or llamacpp export) on: UTF-8 .txt/.md, .jsonl or "
-        ".parquet (a 'text' field); repeat for several files, a window of each in turn. A name fiction, technical, code or dialogue (no such file) "
-        "is that kind of the shipped text. Default: the shipped mix of all four (convert/corpus/SOURCES.md).",
+        ".parquet (a 'text' field); repeat for several files, a window of each in turn. A name fiction, "
+        "technical, code or dialogue (no such file) is that kind of the shipped text. Default: the shipped mix "
+        "of all four (convert/corpus/SOURCES.md).",
         group="compression",
         kind=Path,
         multiple=True,
