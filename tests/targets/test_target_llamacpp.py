@@ -86,6 +86,24 @@ def test_kv_cache_ratio_compresses_the_latent_beside_the_rotary_key(tmp_path):
         convert.gqa2mla(tmp_path / "src", tmp_path / "x", target="llamacpp", kv_cache_ratio=0.5, method="svd")
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_tied_embeddings_stay_tied_in_the_file(tmp_path, tied):
+    """A tied model's file has no output.weight (llama.cpp reads token_embd; SmolLM2: 56 MB less in
+    F16), its final norm carrying the scales the embedding took; an untied one keeps its head."""
+    model = tiny_llama(1).to(torch.float16)
+    if not tied:  # an untied head: its own copy of the embedding
+        model.config.tie_word_embeddings = False
+        other = torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(5)) * 0.02
+        model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach() + other.half())
+    converted(tmp_path, model)
+    names = {t.name for t in gguf.GGUFReader(str(tmp_path / "out" / "model.gguf")).tensors}
+    assert ("output.weight" in names) is not tied
+    with torch.no_grad():
+        want = model.float()(ids()).logits
+        got = load(tmp_path / "out", "cpu", torch.float32)(ids()).logits
+    assert (got - want).abs().max() < 2e-2
+
+
 def test_a_bfloat16_checkpoint_is_written_bf16_and_read_back_whole(tmp_path):
     """Users' checkpoints are bfloat16: the file's BF16 matrices have their full shapes (gguf reads a
     byte shape for raw data; an element shape halved every row once) and verify exactly."""

@@ -149,6 +149,7 @@ def _config(chosen: dict, ds_config: dict, tensor_type: str, vocab, rounded: boo
     export = dict(out.pop("convert_export"))
     latent = chosen["kv_lora_rank"]
     out |= {"kv_lora_rank": latent, "rms_norm_eps": chosen["rms_norm_eps"], "attention_bias": False}
+    out["tie_word_embeddings"] = chosen["tie_word_embeddings"]  # no output.weight in the file when tied
     out["dtype"] = "float16" if tensor_type in QUANTIZED else tensor_type  # llama.cpp's cache: F16 by default
     export |= {
         "target": NAME,
@@ -214,6 +215,7 @@ def _deepseek(gguf_path: Path, config: dict, dtype, device):
         "rms_norm_eps": keys["deepseek2.attention.layer_norm_rms_epsilon"],
         "attention_bias": False,
         "dtype": dtype_name(dtype or torch.float32),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,  # llama.cpp reads token_embd without output
     }
     deepseek = build_causal_lm(fields, dtype or torch.float32, device=device)
     load_strict(deepseek, {n: t.to(dtype or torch.float32) for n, t in tensors.items()}, f"{gguf_path}")

@@ -68,14 +68,19 @@ def _gguf_name(name: str) -> str:
 def gguf_tensors(tensors: dict, config: dict, latent: int, k: int, j: int):
     """(GGUF name, float32 tensor in HF orientation) of the export's tensors: the latent cut to its
     `latent` used dims (the rest are zero: vLLM's fixed 512), kv_b split per head into llama.cpp's
-    attn_k_b (H, latent, nope) and attn_v_b (H, v, latent); the biases dropped, as vLLM drops them."""
+    attn_k_b (H, latent, nope) and attn_v_b (H, v, latent); the biases dropped, as vLLM drops them.
+    Tied embeddings stay tied (no output.weight: llama.cpp's deepseek2 reads token_embd then), the
+    final norm's weight ÷ c·2^-k undoing the embedding's scales in the logits (`tied_scale`)."""
     H, nope, v = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
+    tied = tied_scale(tensors)
     for name, tensor in tensors.items():
-        if name.endswith("bias"):
+        if name.endswith("bias") or (tied and name == "lm_head.weight"):
             continue
         t = tensor.float()
         out = _gguf_name(name)
-        if out.endswith(_RESIDUAL):
+        if tied and name == "model.norm.weight":  # the logits read token_embd, × c·2^-k the head
+            yield out, t * (2.0**k / tied)
+        elif out.endswith(_RESIDUAL):
             yield out, t * 2.0**-k
         elif name.endswith("kv_a_proj_with_mqa.weight"):
             _check_unused(t[latent:KV_LORA_RANK], name)
@@ -92,6 +97,18 @@ def gguf_tensors(tensors: dict, config: dict, latent: int, k: int, j: int):
             yield out, t
 
 
+def tied_scale(tensors: dict) -> float | None:
+    """c where the export's head is its embedding / c (a tied source: the vllm construction writes the
+    head as its own tensor, and the embedding × c, its residual stream's scale), else None."""
+    head, embedding = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if head is None or embedding is None or head.shape != embedding.shape:
+        return None
+    head, embedding = head.double(), embedding.double()
+    c = float((embedding * head).sum() / (head * head).sum())
+    close = float((embedding - c * head).abs().max()) <= 1e-6 * float(embedding.abs().max())
+    return c if c > 0 and close else None
+
+
 def _check_unused(t: torch.Tensor, name: str) -> None:
     if t.numel() and float(t.abs().max()) != 0:
         raise ConvertError(f"{name}: latent dims past the used ones are not zero; this is a converter bug, report it")
@@ -102,7 +119,7 @@ def write_gguf(path: Path, tensors: dict, config: dict, latent: int, tensor_type
     GGUF at `path`. latent: the latent's used dims; tensor_type: float32, float16 or bfloat16 (norms
     stay float32, as llama.cpp's own converter writes them); vocab: a `GGUFVocab`; half: scale for
     F16 ranges (default: when tensor_type is float16; a file to be quantized needs it too). Returns what the
-    file's construction chose (scales, eps), for config.json's `convert_export`."""
+    file's construction chose (scales, eps, a tied head), for config.json."""
     k, j = scales(tensors, tensor_type == "float16" if half is None else half)
     eps = 2.0 ** (NORM_EPS_LOG2 - 2 * k)
     writer = gguf.GGUFWriter(str(path), ARCH)
@@ -114,7 +131,8 @@ def write_gguf(path: Path, tensors: dict, config: dict, latent: int, tensor_type
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return {"residual_scale_log2": -k, "latent_scale_log2": -j, "rms_norm_eps": eps, "kv_lora_rank": latent}
+    chosen = {"residual_scale_log2": -k, "latent_scale_log2": -j, "rms_norm_eps": eps, "kv_lora_rank": latent}
+    return chosen | {"tie_word_embeddings": tied_scale(tensors) is not None}
 
 
 def _hparams(writer, config: dict, latent: int, eps: float, tensor_type: str) -> None:
