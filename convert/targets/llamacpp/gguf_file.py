@@ -65,14 +65,13 @@ def _gguf_name(name: str) -> str:
     return f"blk.{layer}.{_LAYER_NAMES.get(rest, rest)}"
 
 
-def gguf_tensors(tensors: dict, config: dict, latent: int, k: int, j: int):
+def gguf_tensors(tensors: dict, config: dict, latent: int, k: int, j: int, tied: float | None = None):
     """(GGUF name, float32 tensor in HF orientation) of the export's tensors: the latent cut to its
     `latent` used dims (the rest are zero: vLLM's fixed 512), kv_b split per head into llama.cpp's
     attn_k_b (H, latent, nope) and attn_v_b (H, v, latent); the biases dropped, as vLLM drops them.
     Tied embeddings stay tied (no output.weight: llama.cpp's deepseek2 reads token_embd then), the
-    final norm's weight ÷ c·2^-k undoing the embedding's scales in the logits (`tied_scale`)."""
+    final norm's weight ÷ c·2^-k undoing the embedding's scales in the logits (tied: `tied_scale`'s c)."""
     H, nope, v = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
-    tied = tied_scale(tensors)
     for name, tensor in tensors.items():
         if name.endswith("bias") or (tied and name == "lm_head.weight"):
             continue
@@ -97,16 +96,26 @@ def gguf_tensors(tensors: dict, config: dict, latent: int, k: int, j: int):
             yield out, t
 
 
-def tied_scale(tensors: dict) -> float | None:
+def tied_scale(tensors: dict, rows: int = 4096) -> float | None:
     """c where the export's head is its embedding / c (a tied source: the vllm construction writes the
-    head as its own tensor, and the embedding × c, its residual stream's scale), else None."""
+    head as its own tensor, and the embedding × c, its residual stream's scale), else None; read
+    `rows` rows at a time (a 150,000-token vocabulary's float64 copies would be gigabytes)."""
     head, embedding = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
     if head is None or embedding is None or head.shape != embedding.shape:
         return None
-    head, embedding = head.double(), embedding.double()
-    c = float((embedding * head).sum() / (head * head).sum())
-    close = float((embedding - c * head).abs().max()) <= 1e-6 * float(embedding.abs().max())
-    return c if c > 0 and close else None
+    dot = norm = 0.0
+    for start in range(0, head.shape[0], rows):
+        h, e = head[start : start + rows].double(), embedding[start : start + rows].double()
+        dot, norm = dot + float((e * h).sum()), norm + float((h * h).sum())
+    c = dot / norm if norm > 0 else 0.0
+    if c <= 0:
+        return None
+    bound = 1e-6 * float(embedding.abs().max())
+    for start in range(0, head.shape[0], rows):
+        h, e = head[start : start + rows].double(), embedding[start : start + rows].double()
+        if float((e - c * h).abs().max()) > bound:
+            return None
+    return c
 
 
 def _check_unused(t: torch.Tensor, name: str) -> None:
@@ -121,18 +130,19 @@ def write_gguf(path: Path, tensors: dict, config: dict, latent: int, tensor_type
     F16 ranges (default: when tensor_type is float16; a file to be quantized needs it too). Returns what the
     file's construction chose (scales, eps, a tied head), for config.json."""
     k, j = scales(tensors, tensor_type == "float16" if half is None else half)
+    tied = tied_scale(tensors)
     eps = 2.0 ** (NORM_EPS_LOG2 - 2 * k)
     writer = gguf.GGUFWriter(str(path), ARCH)
     _hparams(writer, config, latent, eps, tensor_type)
     vocab.add_to(writer, config["vocab_size"])
-    for name, t in gguf_tensors(tensors, config, latent, k, j):
+    for name, t in gguf_tensors(tensors, config, latent, k, j, tied):
         _add_tensor(writer, name, t, tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     chosen = {"residual_scale_log2": -k, "latent_scale_log2": -j, "rms_norm_eps": eps, "kv_lora_rank": latent}
-    return chosen | {"tie_word_embeddings": tied_scale(tensors) is not None}
+    return chosen | {"tie_word_embeddings": tied is not None}
 
 
 def _hparams(writer, config: dict, latent: int, eps: float, tensor_type: str) -> None:
