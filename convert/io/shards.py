@@ -78,7 +78,10 @@ def plan_slots(plan: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str
 
 def assign_shards(slots: dict[str, Slot], max_shard_size: int) -> list[Shard]:
     """Shards in plan order: a new one starts when the next tensor would push the current one past
-    `max_shard_size` bytes (a larger tensor gets a shard of its own). Sets each slot's shard."""
+    `max_shard_size` bytes (a larger tensor gets a shard of its own). Sets each slot's shard. An
+    empty plan has no shard (the llamacpp target's weights are a file of another format)."""
+    if not slots:
+        return []
     shards = [Shard()]
     for name, slot in slots.items():
         current = shards[-1]

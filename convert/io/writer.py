@@ -247,7 +247,7 @@ class CheckpointWriter:
             self._write_index()
 
     def _write_index(self) -> None:
-        if len(self._shards) == 1:
+        if len(self._shards) <= 1:
             return
         weight_map = {name: self._shards[slot.shard].filename for name, slot in self._slots.items()}
         index = {

@@ -32,6 +32,7 @@ from convert.targets import TARGETS, load_output, output_target, written_by
 from convert.text import judging_ids, model_tokenizer, text_token_ids
 from convert.verify.decision import check, coarsest, decide, thresholds
 from convert.verify.e2e import GREEDY_NEW, GREEDY_PROMPT, end_to_end, greedy_in_turn, streamed_end_to_end
+from convert.verify.foreign import open_export
 from convert.verify.layers import check_hf_layers, check_seed_layers
 from convert.verify.memory import (
     MemoryCap,
@@ -263,7 +264,7 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
     Bounds are no finer than float32: DeepseekV3RMSNorm computes in float32."""
     timings = _Timings()
     device = opts.torch_device
-    with open_checkpoint(original) as orig, open_checkpoint(exported) as conv:
+    with open_checkpoint(original) as orig, open_export(exported) as conv:
         config = orig.config or {}
         ckpt_dtype = _export_dtype(conv)
         dtype = opts.run_dtype(ckpt_dtype)

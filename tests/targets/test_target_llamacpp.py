@@ -50,6 +50,17 @@ def test_one_kv_head_is_exact_and_the_file_is_deepseek2(tmp_path):
     assert (got - want).abs().max() < 1e-3
 
 
+def test_the_gguf_is_the_only_weights_file_and_verify_reads_it(tmp_path):
+    """No empty model.safetensors beside model.gguf (a loader would find it and build a model of no
+    weights); `convert verify` checks the directory from its GGUF."""
+    converted(tmp_path, tiny_llama(1))
+    out = tmp_path / "out"
+    assert not list(out.glob("*.safetensors")) and not (out / "model.safetensors.index.json").exists()
+    report = verify_paths(tmp_path / "src", out, progress=False)
+    assert report["decision"]["verdict"] == "PASS", report["decision"]
+    assert list(report["inputs"]["converted"]["files"]) == ["model.gguf"]
+
+
 def test_three_kv_heads_are_lossy_and_judged_by_perplexity(tmp_path):
     text = tmp_path / "prose.txt"
     text.write_text(PROSE)

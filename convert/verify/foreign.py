@@ -1,0 +1,52 @@
+"""An export whose weights are one file of another format (the llamacpp target's GGUF, named by
+config.json's `convert_export.file`), opened as the export checks read a checkpoint: its config and
+files, and no safetensors tensors (the target's `load` reads the file)."""
+
+from __future__ import annotations
+
+import json
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+from convert.io import open_checkpoint
+
+
+class ForeignExport:
+    """The directory `root` whose weights are `config["convert_export"]["file"]`: `path`, `root`,
+    `config`, `files` and an empty `keys()`, as `convert.io.reader.Checkpoint` has them."""
+
+    def __init__(self, root: Path, config: dict, file: str):
+        self.path = self.root = root
+        self.config = config
+        self.files = [root / file]
+
+    def keys(self) -> list[str]:
+        return []
+
+    def __enter__(self) -> ForeignExport:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def foreign_file(directory: Path) -> str | None:
+    """The weights file config.json's `convert_export.file` names, where it is in `directory` (None:
+    none named, or the directory holds safetensors weights)."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+        file = config["convert_export"]["file"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(file, str) or "/" in file or any(directory.glob("*.safetensors")):
+        return None
+    return file if (directory / file).is_file() else None
+
+
+def open_export(exported) -> AbstractContextManager:
+    """The export at `exported` as a checkpoint: its safetensors, or its foreign weights file."""
+    directory = Path(exported)
+    file = foreign_file(directory) if directory.is_dir() else None
+    if file is None:
+        return open_checkpoint(exported)
+    return ForeignExport(directory, json.loads((directory / "config.json").read_text()), file)
