@@ -7,7 +7,7 @@ each kind in order in one scratch directory, exactly as tests/docs/test_readme.p
 without its time line, and seconds) and, unless `--no-rewrite`, puts the measured times into the
 README, so what it says is what was measured.
 
-    python bench/readme_examples.py [--kinds fast,real] [--workdir DIR] [--no-rewrite]
+    python bench/readme_examples.py [--kinds fast,real] [--workdir DIR] [--no-rewrite] [--lines 61,89,136]
 """
 
 from __future__ import annotations
@@ -50,6 +50,12 @@ def main(argv=None) -> int:
     parser.add_argument("--kinds", default="fast,real", help="comma-separated example kinds to run")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: $TMPDIR)")
     parser.add_argument("--no-rewrite", action="store_true", help="leave the README's time lines as they are")
+    parser.add_argument(
+        "--lines",
+        default=None,
+        help="comma-separated README lines of the examples to run (the lines of their opening fences; the other rows kept): "
+        "with every earlier example they need (the real ones need the first, which links data/)",
+    )
     args = parser.parse_args(argv)
     result = C.header("readme_examples", "cpu", C.wait_quiet(args.max_load, args.wait, args.max_busy))
     rows, timed = [], []
@@ -57,14 +63,22 @@ def main(argv=None) -> int:
         work = Path(tempfile.mkdtemp(prefix=f"convert-readme-{kind}-", dir=args.workdir))
         try:
             env = rx.prepare(work)
-            for example in (e for e in rx.examples() if e.kind == kind):
+            only = None if args.lines is None else {int(n) for n in args.lines.split(",")}
+            for example in (e for e in rx.examples() if e.kind == kind and (only is None or e.line in only)):
                 seconds, _, _ = rx.run(example, work, env)
                 print(f"{kind} example at line {example.line}: {seconds:.1f} s", flush=True)
                 rows.append({"kind": kind, "line": example.line, "code": example.body, "seconds": seconds})
                 timed.append((example, seconds))
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    kept = [row for row in _previous(args.out) if row["kind"] not in args.kinds.split(",")]  # kinds not run now
+    ran = {row["code"] for row in rows}
+    kinds = args.kinds.split(",")
+    current = {e.body for e in rx.examples()}  # rows of examples since changed or removed are dropped
+    kept = [
+        r
+        for r in _previous(args.out)
+        if (r["kind"] not in kinds or args.lines) and r["code"] not in ran and r["code"] in current
+    ]
     result["examples"] = kept + rows
     C.write_json(args.out, result)
     if not args.no_rewrite:

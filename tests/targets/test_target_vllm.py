@@ -620,3 +620,31 @@ def test_the_fitted_stand_in_beats_unrotated_terms_on_smollm2(smollm2, tmp_path)
         assert export["position_free_terms"] == stand_in
         ratios[stand_in] = perplexity(deepseek) / original
     assert 1.0 < ratios["fit"] < ratios["nope"], ratios
+
+
+def test_shrinkage_keeps_a_compressed_latent_on_directions_the_calibration_missed():
+    """--shrinkage reaches the vllm export's compressed latent: inputs the calibration never excited
+    (half the hidden dims) are reconstructed better with it, the calibrated ones about as well."""
+    from types import SimpleNamespace
+
+    from convert.targets.vllm.latent import LatentFit, latent_factor
+
+    gen = torch.Generator().manual_seed(0)
+    hidden, seen = 48, 24
+    spec = SimpleNamespace(n_kv_heads=2, head_dim=64)  # 192 content dims, more than the hidden size
+    remainder, value = (torch.randn(128, hidden, dtype=torch.float64, generator=gen) for _ in range(2))
+    x = torch.randn(512, hidden, dtype=torch.float64, generator=gen)
+    x[:, seen:] = 0  # the calibration excites the first 24 input dims only
+    eye = torch.eye(128, dtype=torch.float64)
+    stats = SimpleNamespace(moment=x.T @ x / 512, key_fisher=eye, value_fisher=eye)
+    content = torch.cat([remainder, value])  # (256, 48)
+
+    def errors(shrinkage: float) -> tuple[float, float]:
+        factor, compressed = latent_factor(remainder, value, spec, LatentFit(32, stats, None, shrinkage))
+        assert compressed
+        residual = content - factor.up @ factor.down  # (256, 48)
+        return float(residual[:, :seen].norm()), float(residual[:, seen:].norm())
+
+    (seen_plain, missed_plain), (seen_shrunk, missed_shrunk) = errors(0.0), errors(0.1)
+    assert missed_shrunk < 0.8 * missed_plain
+    assert seen_shrunk < 0.1 * float(content[:, :seen].norm()), (seen_plain, seen_shrunk)

@@ -134,4 +134,4 @@ def export_choices(
     # each compressed layer fitted to its attention output, as the MLA layouts are (sized to the device)
     refinement = Refinement.sized(opts.refine_steps, whole_windows=True)  # the export's attention: every position
     sequential = latent_sequential(source, config, ids, opts.calibration, refinement)
-    return ExportChoices(stats=stats, dtype=dtype, rank=rank, sequential=sequential)
+    return ExportChoices(stats=stats, dtype=dtype, rank=rank, sequential=sequential, shrinkage=opts.shrinkage)

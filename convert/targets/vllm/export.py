@@ -47,6 +47,7 @@ class ExportChoices:
     most `LATENT_DIMS` (the rest zero but the norm's `NORM_ROWS`): below the content's, the latent
     is compressed. sequential: a `SequentialLatents` on the source and the calibration text: a
     compressed latent is then factored for the inputs the export's own layers give it (GPTQ's order).
+    shrinkage: --shrinkage, of a compressed latent's statistics (`LatentFit`).
     """
 
     stats: list | None = None
@@ -55,6 +56,7 @@ class ExportChoices:
     span: int = 1024
     rank: int = LATENT_DIMS
     sequential: "SequentialLatents | None" = None
+    shrinkage: float = 0.0
 
 
 def to_vllm_deepseek(
@@ -180,7 +182,7 @@ def _export_tensors(plan: _ExportPlan, choices: ExportChoices):
         terms = position_free_stand_in(choices.stand_in, layer_stats, spec.n_heads, inv_freq, choices.span)
         fitted.append(terms is not None)
         inputs = sequential.stats(layer) if sequential is not None else None
-        latent = LatentFit(choices.rank, layer_stats, inputs)
+        latent = LatentFit(choices.rank, layer_stats, inputs, choices.shrinkage)
         tensors, squeezed = attention_tensors(weights, spec, u, plan.q_scale, s, terms, latent, carrier)
         compressed.append(squeezed)
         if sequential is not None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from convert.arch import AttentionSpec
-from convert.compress.weights import ridge
+from convert.compress.weights import ridge, shrunk
 from convert.linalg.factor import Factor
 from convert.linalg.heads import group_of_head
 from convert.linalg.weighted import psd_sqrt, weighted_factor
@@ -31,11 +31,13 @@ class LatentFit:
     """How one layer's latent is factored (`latent_factor`): the dims it may use (at most
     `LATENT_DIMS`), the layer's calibration statistics (`convert.compress.calibrate`'s `LayerStats`,
     with the Fisher rows when calibrated for them) and sequential calibration's `SequentialStats` of
-    the layer (the compressed model's inputs; None: the original's)."""
+    the layer (the compressed model's inputs; None: the original's); `shrinkage`: --shrinkage, the
+    Fisher information and the original's input moment pulled toward isotropic ones (`shrunk`)."""
 
     rank: int = LATENT_DIMS
     layer_stats: object = None
     inputs: object = None
+    shrinkage: float = 0.0
 
 
 def latent_factor(
@@ -53,14 +55,15 @@ def latent_factor(
     need = min(latent_content_rank(spec), content.shape[1])
     if need <= rank:
         return weighted_factor(content, need), False
-    row_weight = None
+    row_weight, alpha = None, fit.shrinkage
     if getattr(layer_stats, "key_fisher", None) is not None:
         row_weight = torch.block_diag(
-            psd_sqrt(ridge(layer_stats.key_fisher.double())), psd_sqrt(ridge(layer_stats.value_fisher.double()))
+            psd_sqrt(ridge(shrunk(layer_stats.key_fisher.double(), alpha))),
+            psd_sqrt(ridge(shrunk(layer_stats.value_fisher.double(), alpha))),
         )
-    if inputs is not None:
+    if inputs is not None:  # measured in the compressed model, beside the cross moment it is solved with
         return weighted_factor(content, rank, row_weight, moment=inputs.moment, cross=inputs.cross), True
-    moment = layer_stats.moment if layer_stats is not None else None
+    moment = shrunk(layer_stats.moment, alpha) if layer_stats is not None else None
     return weighted_factor(content, rank, row_weight=row_weight, moment=moment), True
 
 
