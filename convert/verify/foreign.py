@@ -30,23 +30,16 @@ class ForeignExport:
         return None
 
 
-def foreign_file(directory: Path) -> str | None:
-    """The weights file config.json's `convert_export.file` names, where it is in `directory` (None:
-    none named, or the directory holds safetensors weights)."""
+def open_export(exported) -> AbstractContextManager:
+    """The export at `exported` as a checkpoint: its safetensors, or (no safetensors beside it) the
+    weights file its config.json's `convert_export.file` names, config.json read once."""
+    directory = Path(exported)
     try:
         config = json.loads((directory / "config.json").read_text())
         file = config["convert_export"]["file"]
     except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if not isinstance(file, str) or "/" in file or any(directory.glob("*.safetensors")):
-        return None
-    return file if (directory / file).is_file() else None
-
-
-def open_export(exported) -> AbstractContextManager:
-    """The export at `exported` as a checkpoint: its safetensors, or its foreign weights file."""
-    directory = Path(exported)
-    file = foreign_file(directory) if directory.is_dir() else None
-    if file is None:
         return open_checkpoint(exported)
-    return ForeignExport(directory, json.loads((directory / "config.json").read_text()), file)
+    foreign = isinstance(file, str) and "/" not in file and (directory / file).is_file()
+    if not foreign or any(directory.glob("*.safetensors")):
+        return open_checkpoint(exported)
+    return ForeignExport(directory, config, file)
