@@ -328,12 +328,13 @@ def test_refining_a_compressed_latent_fits_each_layer_and_moves_only_what_vllm_r
     """A tiny Llama's latent compressed to a third of what it needs (`ExportChoices(rank=…)`, as
     every 7B+ source's is into vLLM's 512), without and with attention-output refinement: refined,
     every layer's attention-output error on the calibration text falls; only attention tensors
-    move, and not the biases vLLM never reads; the export records the steps. Made with the pieces
+    move, and not the biases vLLM never reads nor the latent norm's rows (`NORM_ROWS`: zero weights,
+    what vLLM computes there); the export records the steps. Made with the pieces
     the target calibrates with (`export_statistics`, `latent_sequential`), as the benches make it."""
     from convert.io import open_checkpoint
     from convert.targets.vllm import export_statistics, latent_sequential
     from convert.targets.vllm.export import resolve_vllm_spec
-    from convert.targets.vllm.geometry import latent_content_rank
+    from convert.targets.vllm.geometry import KV_LORA_RANK, LATENT_DIMS, latent_content_rank
 
     original = tiny_llama(n_kv_heads=2)
     original.save_pretrained(tmp_path / "src", safe_serialization=True)
@@ -357,6 +358,8 @@ def test_refining_a_compressed_latent_fits_each_layer_and_moves_only_what_vllm_r
     moved = [name for name in exports[0] if not torch.equal(exports[0][name], exports[40][name])]
     assert moved and all(".self_attn." in name for name in moved)
     assert not any(name.endswith(("kv_a_proj_with_mqa.bias", "o_proj.bias")) for name in moved)
+    latents = [t for name, t in exports[40].items() if name.endswith("kv_a_proj_with_mqa.weight")]
+    assert len(latents) == LAYERS and all(not t[LATENT_DIMS:KV_LORA_RANK].any() for t in latents)
 
 
 LLAMA3_ROPE = {

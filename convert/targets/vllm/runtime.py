@@ -5,6 +5,7 @@ import torch
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
+from convert.targets.vllm.geometry import KV_LORA_RANK, LATENT_DIMS
 from convert.targets.vllm.nope_fit import additive_mask
 
 
@@ -60,11 +61,24 @@ def match_vllm_norms(model) -> None:
 
 def _match_vllm_norm(attention: torch.nn.Module, eps: float) -> None:
     """A DeepseekV3Attention's latent norm as vLLM computes it: as it is with the latent bias
-    (`NORM_ROWS`), else with its eps (transformers names it variance_epsilon) set to `eps`."""
-    if getattr(attention.kv_a_proj_with_mqa, "bias", None) is not None:
+    (`NORM_ROWS`), else with its eps (transformers names it variance_epsilon) set to `eps`. With the
+    bias, training leaves the norm rows' weights at zero (`_hold_norm_rows`)."""
+    projection = attention.kv_a_proj_with_mqa
+    if getattr(projection, "bias", None) is not None:
+        projection.weight.register_hook(_hold_norm_rows)
         return
     norm = attention.kv_a_layernorm
     setattr(norm, "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps", eps)
+
+
+def _hold_norm_rows(grad: torch.Tensor) -> torch.Tensor:
+    """kv_a_proj_with_mqa.weight's gradient without its `NORM_ROWS` rows. In transformers those rows
+    are NORM_BIAS + w·x, whose square in the norm's mean has a gradient 2·NORM_BIAS·x in w: a path vLLM,
+    which reads no bias, does not have. Held at zero they stay what vLLM computes (and what llama.cpp's
+    file, cut to the used dims, drops)."""
+    grad = grad.clone()
+    grad[LATENT_DIMS:KV_LORA_RANK] = 0
+    return grad
 
 
 # ------------------------------------------------------------------ the target's interface (convert.targets)
