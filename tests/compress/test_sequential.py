@@ -51,7 +51,9 @@ def test_layer_zero_is_as_one_shot_and_later_layers_are_refit(layout):
     calib = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(1))
     # shrinkage 0: the one-shot up-projections are fitted to the shrunk moment, the sequential ones to the
     # moments as measured (solved with their cross moments, docs/compression.md): equal inputs, equal moments
-    options = dict(layout=layout, kv_cache_ratio=0.5, method="whitened", calib=calib, allocation="uniform", shrinkage=0.0)
+    options = dict(
+        layout=layout, kv_cache_ratio=0.5, method="whitened", calib=calib, allocation="uniform", shrinkage=0.0
+    )
     one_shot = convert.convert_state_dict(model.state_dict(), model.config, calibration="original", **options)
     sequential = convert.convert_state_dict(model.state_dict(), model.config, calibration="sequential", **options)
     attn = "model.layers.{}.self_attn."
