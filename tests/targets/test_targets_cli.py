@@ -62,10 +62,11 @@ def test_flags_an_export_would_ignore_are_refused(tmp_path, flags):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["transformers", "vllm"])
+@pytest.mark.parametrize("target", ["transformers", "vllm", "llamacpp"])
 def test_an_export_writes_only_converts_own_lines_on_stderr(target, tmp_path):
     """No third-party warning reaches the user (transformers' deprecations included: convert calls
-    the current API), through the installed entry point in a fresh process, progress on."""
+    the current API), through the installed entry point in a fresh process, progress on; stdout's
+    summary names the attention's parameters before and after (llamacpp's: counted in its file)."""
     torch.manual_seed(0)
     config = LlamaConfig(
         hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=64, num_hidden_layers=2,
@@ -78,3 +79,5 @@ def test_an_export_writes_only_converts_own_lines_on_stderr(target, tmp_path):
     lines = done.stderr.splitlines()
     assert lines and not [line for line in lines if not CONVERT_STDERR_LINE.match(line)], done.stderr
     assert not re.search(r"warn|deprecat", done.stderr, re.I), done.stderr
+    params = re.search(r"attention params ([\d,]+) -> ([\d,]+)", done.stdout)
+    assert params and int(params.group(1).replace(",", "")) > 0 and int(params.group(2).replace(",", "")) > 0

@@ -7,17 +7,17 @@ import json
 import tempfile
 from pathlib import Path
 
+import gguf
 import torch
 
 from convert.arch import AttentionSpec
 from convert.errors import ConvertError, EnvironmentFailure
 from convert.hf import build_causal_lm, load_strict
-from convert.io.reader import dtype_itemsize
 from convert.layouts import attention_view
 from convert.options import dtype_name
 from convert.source import LazyTensors, StateDictSource
 from convert.targets import Build
-from convert.targets.deepseek import check_deepseek, export_spec
+from convert.targets.deepseek import check_deepseek, export_sizes, export_spec
 from convert.targets.llamacpp.engine import QUANTIZED, engine_python, quantize
 from convert.targets.llamacpp.gguf_file import read_gguf, write_gguf
 from convert.targets.llamacpp.vocab import source_vocab
@@ -72,6 +72,7 @@ def build(source, opts) -> Build:
     _, ds_config, tensors = stream_export(state, export_config, view, spec, choices)
     vocab = source_vocab(getattr(source, "root", None) or Path("."))
     written: dict = {}
+    counted: dict = {}  # the file's attention parameters, once written
 
     def extra(directory: Path) -> None:
         out = dict(tensors)  # one model in memory (float32)
@@ -85,6 +86,7 @@ def build(source, opts) -> Build:
             quantize(plain, path, opts.gguf_type)
             plain.unlink()  # ours: written just above
         written.update(_config(chosen, ds_config, tensor_type, vocab, narrowed(tensor_type, stored)))
+        counted["attention"] = attention_params(path)
 
     return Build(
         layout={},
@@ -92,7 +94,7 @@ def build(source, opts) -> Build:
         tensors=iter(()),
         config=lambda: written,
         notes=lambda: [short_note(written["convert_export"]), FOREIGN] + ([vocab.note] if vocab.note else []),
-        sizes=lambda: _sizes(written, spec, stored),
+        sizes=lambda: _sizes(source, spec, opts, written, counted.get("attention")),
         metadata={"format": "pt"},
         options=opts,
         extra=extra,
@@ -166,17 +168,22 @@ def _config(chosen: dict, ds_config: dict, tensor_type: str, vocab, rounded: boo
     return out
 
 
-def _sizes(config: dict, spec: AttentionSpec, dtype: torch.dtype) -> dict:
-    """The KV cache per token before (GQA) and after (what llama.cpp caches: latent + rotary key)."""
-    size = dtype_itemsize(dtype)
-    before = spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim
-    after = spec.n_layers * config["convert_export"]["kv_cache_dims_per_token_per_layer"]
-    return {
-        "kv_cache_dims_per_token_before": before,
-        "kv_cache_bytes_per_token_before": before * size,
-        "kv_cache_dims_per_token_after": after,
-        "kv_cache_bytes_per_token_after": after * size,
-    }
+def _sizes(source, spec: AttentionSpec, opts, config: dict, attention: int | None) -> dict:
+    """Attention parameters and the KV cache per token (what llama.cpp caches: latent + rotary key),
+    before and after, in the checkpoint's dtype (`export_sizes`); the parameters after as counted in
+    the file (`attention_params`; None: not written, the conversion stopped before it)."""
+    sizes = export_sizes(source, spec, opts, {}, config)
+    if attention is None:
+        return sizes
+    per_param = sizes["attention_bytes_before"] // max(1, sizes["attention_params_before"])
+    return sizes | {"attention_params_after": attention, "attention_bytes_after": attention * per_param}
+
+
+def attention_params(path: Path) -> int:
+    """The parameters of the GGUF's attention tensors (`blk.N.attn_*` but the layer's input norm; the
+    latent cut to its used dims)."""
+    names = ((t.name, int(t.n_elements)) for t in gguf.GGUFReader(str(path)).tensors)
+    return sum(n for name, n in names if ".attn_" in name and not name.endswith(".attn_norm.weight"))
 
 
 def model(state: dict, config: dict, opts, dtype: torch.dtype, device):
