@@ -20,8 +20,8 @@ own convert_hf_to_gguf.py, taken from the llama-cpp-python 0.3.36 sdist (pip dow
 fixture cache) and run here, which needs `pip install sentencepiece`. Conversions use the shipped
 calibration mix (the default). Run it alone: every figure is a timing on the machine's cores, and
 llama.cpp's threads wait on each other at every op, so one busy core stalls them all: beside another
-job, SmolLM2's decode step measured 4.1 s instead of 0.1 s, in whichever file ran at the time (the
-"100x slower" Q4_K_M decode of an earlier contended smoke run was this, not the file).
+job, one file's decode step measured 4.1 s in one run and 0.07-0.23 s in the next (the "100x
+slower" Q4_K_M decode of an earlier contended smoke run was this, not the file).
 """
 
 from __future__ import annotations
