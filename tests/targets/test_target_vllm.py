@@ -651,3 +651,18 @@ def test_shrinkage_keeps_a_compressed_latent_on_directions_the_calibration_misse
     (seen_plain, missed_plain), (seen_shrunk, missed_shrunk) = errors(0.0), errors(0.1)
     assert missed_shrunk < 0.8 * missed_plain
     assert seen_shrunk < 0.1 * float(content[:, :seen].norm()), (seen_plain, seen_shrunk)
+
+
+def test_a_frozen_export_takes_vllms_norms_and_a_trained_one_keeps_the_norm_rows_at_zero():
+    """`match_vllm_norms` on a model without gradients (torch takes no hook there) is no error; on a
+    trainable one a training step leaves the latent norm's rows (`NORM_ROWS`) at zero."""
+    from convert.targets.vllm.geometry import KV_LORA_RANK, LATENT_DIMS
+
+    deepseek, _, _, _ = exported_model(tiny_llama(3), identity_stats())
+    match_vllm_norms(deepseek.requires_grad_(False))  # frozen: nothing to hold
+    trained, _, _, _ = exported_model(tiny_llama(3), identity_stats())  # trainable: held by its hook
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(3))
+    trained(ids, labels=ids).loss.backward()
+    grads = [layer.self_attn.kv_a_proj_with_mqa.weight.grad for layer in trained.model.layers]
+    assert all(g is not None and g[:LATENT_DIMS].abs().sum() > 0 for g in grads)
+    assert not any(g[LATENT_DIMS:KV_LORA_RANK].any() for g in grads)

@@ -62,10 +62,12 @@ def match_vllm_norms(model) -> None:
 def _match_vllm_norm(attention: torch.nn.Module, eps: float) -> None:
     """A DeepseekV3Attention's latent norm as vLLM computes it: as it is with the latent bias
     (`NORM_ROWS`), else with its eps (transformers names it variance_epsilon) set to `eps`. With the
-    bias, training leaves the norm rows' weights at zero (`_hold_norm_rows`)."""
+    bias, training leaves the norm rows' weights at zero (`_hold_norm_rows`, where the weight is
+    trainable now; not through adapters such as LoRA's, which train their own matrices)."""
     projection = attention.kv_a_proj_with_mqa
     if getattr(projection, "bias", None) is not None:
-        projection.weight.register_hook(_hold_norm_rows)
+        if projection.weight.requires_grad:  # torch takes no hook on a tensor without gradient
+            projection.weight.register_hook(_hold_norm_rows)
         return
     norm = attention.kv_a_layernorm
     setattr(norm, "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps", eps)
