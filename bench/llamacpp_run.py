@@ -25,6 +25,12 @@ def _model(path: str, n_ctx: int, threads: int, logits_all: bool = False):
     )  # fmt: skip
 
 
+def _last_logits(llm) -> np.ndarray:
+    """The logits of the last token evaluated (vocab,): without logits_all, llama-cpp-python keeps no
+    `scores` (its eval leaves them zero), so they are read from the context."""
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+
+
 def speed(path: str, context: int, decode: int, threads: int, ids: list[int]) -> dict:
     llm = _model(path, context + decode, threads)
     prompt = (ids * (context // len(ids) + 1))[:context]
@@ -33,7 +39,7 @@ def speed(path: str, context: int, decode: int, threads: int, ids: list[int]) ->
     prompt_s = time.perf_counter() - t0
     steps = []
     for _ in range(decode):
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = int(np.argmax(_last_logits(llm)))
         t0 = time.perf_counter()
         llm.eval([token])
         steps.append(time.perf_counter() - t0)
