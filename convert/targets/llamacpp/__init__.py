@@ -13,6 +13,7 @@ import torch
 from convert.arch import AttentionSpec
 from convert.errors import ConvertError, EnvironmentFailure
 from convert.hf import build_causal_lm, load_strict
+from convert.io.reader import dtype_itemsize
 from convert.layouts import attention_view
 from convert.options import dtype_name
 from convert.source import LazyTensors, StateDictSource
@@ -94,7 +95,7 @@ def build(source, opts) -> Build:
         tensors=iter(()),
         config=lambda: written,
         notes=lambda: [short_note(written["convert_export"]), FOREIGN] + ([vocab.note] if vocab.note else []),
-        sizes=lambda: _sizes(source, spec, opts, written, counted.get("attention")),
+        sizes=lambda: _sizes(source, spec, opts, written, stored, counted.get("attention")),
         metadata={"format": "pt"},
         options=opts,
         extra=extra,
@@ -168,15 +169,14 @@ def _config(chosen: dict, ds_config: dict, tensor_type: str, vocab, rounded: boo
     return out
 
 
-def _sizes(source, spec: AttentionSpec, opts, config: dict, attention: int | None) -> dict:
+def _sizes(source, spec: AttentionSpec, opts, config: dict, dtype: torch.dtype, attention: int | None) -> dict:
     """Attention parameters and the KV cache per token (what llama.cpp caches: latent + rotary key),
-    before and after, in the checkpoint's dtype (`export_sizes`); the parameters after as counted in
+    before and after, in the checkpoint's `dtype` (`export_sizes`); the parameters after as counted in
     the file (`attention_params`; None: not written, the conversion stopped before it)."""
     sizes = export_sizes(source, spec, opts, {}, config)
     if attention is None:
         return sizes
-    per_param = sizes["attention_bytes_before"] // max(1, sizes["attention_params_before"])
-    return sizes | {"attention_params_after": attention, "attention_bytes_after": attention * per_param}
+    return sizes | {"attention_params_after": attention, "attention_bytes_after": attention * dtype_itemsize(dtype)}
 
 
 def attention_params(path: Path) -> int:
