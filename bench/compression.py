@@ -126,7 +126,7 @@ def parse_args(argv=None):
         "--shrinkage",
         type=float,
         default=None,
-        help="--shrinkage of every compressed mla row (default: the option's own)",
+        help="--shrinkage of every compressed row, the vllm latent's included (default: the option's own)",
     )
     p.add_argument("--heal-tokens", type=int, default=16384, help="tokens of the calibration text healed on")
     p.add_argument(
@@ -261,12 +261,19 @@ def run_one(
 
 
 def run_vllm(
-    src: Path, calib_ids, eval_ids, window, ratio, refine=None, fisher_tokens=convert.ConvertOptions.fisher_tokens
+    src: Path,
+    calib_ids,
+    eval_ids,
+    window,
+    ratio,
+    refine=None,
+    fisher_tokens=convert.ConvertOptions.fisher_tokens,
+    shrinkage=None,
 ) -> tuple[dict, torch.nn.Module]:
     """The `--target vllm` export of `src` with its latent at `ratio` of the dims its position-free
-    keys and values need, calibrated as the target calibrates (Fisher-weighted latent, refined
-    `refine` steps, None: sized by the device): (its row, transformers' DeepseekV3 twin as vLLM
-    computes it)."""
+    keys and values need, calibrated as the target calibrates (Fisher-weighted latent shrunk by
+    `shrinkage`, None: the option's default; refined `refine` steps of the default query positions,
+    None: sized by the device): (its row, transformers' DeepseekV3 twin as vLLM computes it)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from convert.compress.refine import Refinement
@@ -283,6 +290,7 @@ def run_vllm(
     from convert.targets.vllm.geometry import latent_content_rank
     from convert.targets.vllm.rope import needs_calibration
 
+    shrinkage = convert.ConvertOptions.shrinkage if shrinkage is None else shrinkage
     t0 = time.perf_counter()
     with open_checkpoint(src) as ck:
         config, layers = ck.config, ck.config["num_hidden_layers"]
@@ -307,7 +315,7 @@ def run_vllm(
         refinement = Refinement.sized(refine)
         sequential = latent_sequential(ck, config, calib_ids, refinement=refinement) if compressed else None
         tensors, export_config = to_vllm_deepseek(
-            state_dict, config, ExportChoices(stats, rank=rank, sequential=sequential)
+            state_dict, config, ExportChoices(stats, rank=rank, sequential=sequential, shrinkage=shrinkage)
         )
     convert_s = time.perf_counter() - t0
     export = export_config.pop("convert_export")
@@ -325,6 +333,8 @@ def run_vllm(
         "nope_angle": None,
         "calibration": export.get("latent_calibration") or "original",
         "refine_steps": export.get("latent_refine_steps", 0),
+        "refine_queries": refinement.queries if sequential is not None else None,
+        "shrinkage": shrinkage if compressed else 0.0,
         "ppl": perplexity(model, eval_ids, window),
         "convert_s": convert_s,
     }
@@ -418,7 +428,9 @@ def main(argv=None):
     ]
     for layout, ratio, method, angle, calibration, refine in runs:
         if layout == "vllm":
-            row, converted = run_vllm(src, calib_ids, eval_ids, args.window, ratio, refine, args.fisher_tokens)
+            row, converted = run_vllm(
+                src, calib_ids, eval_ids, args.window, ratio, refine, args.fisher_tokens, args.shrinkage
+            )
         else:
             row, converted = run_one(
                 model,

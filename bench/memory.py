@@ -13,7 +13,8 @@ Cases:
   llama8b   a synthetic checkpoint of Llama-3-8B's shape (random bfloat16 weights, written to
             disk as sharded safetensors); `--layers N` writes only N decoder layers so it runs
             in minutes (`--layers 32`: the whole model, 16 GB on disk, kept as `llama8b_full`);
-            the full-size figures are also estimated from the same formulas
+            the full-size figures are also estimated from the same formulas; modes: the default,
+            --max-memory 12GiB (greedy generation from one whole model), `auto@4#64GiB`, `--e2e streamed`
 
 Each run is a fresh subprocess running `python -m convert gqa2mla SRC -o OUT --force -q
 --e2e MODE --tokens T` (default verification dtype float64). Its peak is the child's own
@@ -422,7 +423,9 @@ def main() -> None:
                 src,
                 config,
                 args.tokens,
-                ["auto"] if key == "llama8b_full" else ["auto", "auto@4#64GiB", "streamed", "streamed:float64"],
+                ["auto"]
+                if key == "llama8b_full"
+                else ["auto", "auto#12GiB", "auto@4#64GiB", "streamed", "streamed:float64"],
                 baseline,
                 None,
             )

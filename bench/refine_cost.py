@@ -9,7 +9,13 @@ device's, `REFINE_QUERIES`: 128 on a CPU, all with CUDA; the median of `--repeat
 (the error evaluated on the checked windows before and after, then the step), for each layout. The
 per-layer cost at the device's default steps (`REFINE_STEPS`) and for the whole model follow.
 
+The layout `export` is the vllm/llamacpp export's attention (`convert.targets.vllm.runtime.ExportAttention`,
+transformers' DeepseekV3 attention) with its latent compressed so that llama.cpp caches `--ratio` of the
+GQA cache (rank = ratio·2·G·d − 64 beside the 64-dim rotary key; vLLM's 512 at most). `--queries all`
+fits every position of a window, as that attention did before it took some queries against every key.
+
     python bench/refine_cost.py --shape llama8b --ratio 0.25 [--device cuda]
+    python bench/refine_cost.py --shape smollm2 --ratio 0.25 --layouts export --queries all|128
 """
 
 import argparse
@@ -64,6 +70,36 @@ def layer(shape: str, layout: str, ratio: float) -> MLAAttention:
     return MLAAttention(hidden, mla, mla.layers[0], 0)
 
 
+def export_layer(shape: str, ratio: float) -> torch.nn.Module:
+    """The export's attention of a random one-layer Llama at `shape`, its latent sized as llama.cpp's
+    `--kv-cache-ratio` sizes it (the 64 rotary dims beside it, vLLM's 512 at most)."""
+    from transformers import LlamaForCausalLM
+
+    from convert.compress.calibrate import LayerStats
+    from convert.targets.vllm import ExportChoices, to_vllm_deepseek
+    from convert.targets.vllm.geometry import KV_LORA_RANK
+    from convert.targets.vllm.runtime import ExportAttention
+
+    hidden, n_heads, n_kv_heads, head_dim, _, _ = SHAPES[shape]
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=8,  # the export's MLP is not what is measured: the decoder layer around it has its own
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        head_dim=head_dim,
+        num_hidden_layers=1,
+        vocab_size=16,
+    )
+    source = LlamaForCausalLM(config)
+    rank = min(KV_LORA_RANK, round(ratio * 2 * n_kv_heads * head_dim) - 64)
+    stats = [LayerStats(torch.eye(hidden, dtype=torch.float64), torch.zeros(hidden, dtype=torch.float64))]
+    choices = ExportChoices(stats=stats, rank=rank, dtype=torch.float32)
+    tensors, export_config = to_vllm_deepseek(source.state_dict(), source.config, choices)
+    prefix = "model.layers.0.self_attn."
+    own = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
+    return ExportAttention(export_config, 0, own, export_config["convert_export"]["residual_scale"])
+
+
 def decoder(shape: str, layout: str, ratio: float) -> torch.nn.Module:
     """A Llama decoder layer at `shape` (random weights) with `layer(shape, layout, ratio)` as its attention."""
     hidden, n_heads, n_kv_heads, head_dim, width, _ = SHAPES[shape]
@@ -83,7 +119,7 @@ def decoder(shape: str, layout: str, ratio: float) -> torch.nn.Module:
             module.reset_parameters()
         elif getattr(module, "weight", None) is not None:  # the RMS norms
             torch.nn.init.ones_(module.weight)
-    built.self_attn = layer(shape, layout, ratio)
+    built.self_attn = export_layer(shape, ratio) if layout == "export" else layer(shape, layout, ratio)
     return built
 
 
@@ -154,16 +190,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
     p.add_argument("--ratio", type=float, default=0.25, help="share of the GQA cache the latents keep")
-    p.add_argument("--layouts", default="factored,absorbed")
+    p.add_argument("--layouts", default="factored,absorbed", help="factored, absorbed, export")
     p.add_argument("--windows", type=int, default=4, help="calibration windows held (the default 4,096 tokens)")
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--steps", type=int, default=5, help="Adam steps timed per run")
-    p.add_argument("--queries", type=int, default=None, help="query positions a step (default: the device's)")
+    p.add_argument("--queries", default=None, help="query positions a step (default: the device's; all: every one)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (CUDA when there is one)")
     _common.add_common_args(p, "refine_cost", repeat=3)
     args = p.parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    args.queries = REFINE_QUERIES[device.type] if args.queries is None else args.queries
+    given = args.queries
+    args.queries = REFINE_QUERIES[device.type] if given is None else None if given == "all" else int(given)
     quiet = _common.wait_quiet(args.max_load, args.wait, args.max_busy)
     result = _common.header("refine_cost", device.type, quiet)
     result |= {"shape": args.shape, "dims": SHAPES[args.shape], "ratio": args.ratio, "windows": args.windows}
@@ -172,7 +209,7 @@ def main(argv=None) -> int:
         row = measure(args, layout, device)
         result["rows"].append(row)
         print(
-            f"{args.shape} {layout:8s} {args.ratio:.0%} cache: {row['step_s']:.3f} s/step, peak "
+            f"{args.shape} {layout:8s} {args.ratio:.0%} cache, queries {args.queries or 'all'}: {row['step_s']:.3f} s/step, peak "
             f"{row['peak_bytes'] / 2**30:.2f} GiB; {row['default_steps']} steps = {row['layer_s_at_default']:.0f} s "
             f"per layer, {row['model_s_at_default'] / 60:.1f} min for {SHAPES[args.shape][-1]} layers",
             flush=True,

@@ -19,8 +19,6 @@ from convert.stream import layer_output
 #: window: about 5 s per SmolLM2 layer on 2 CPU cores (docs/compression.md, "Steps on some positions").
 REFINE_STEPS = {"cpu": 100, "cuda": 500}
 REFINE_QUERIES = {"cpu": 128, "cuda": None}
-#: Default steps for a module that fits every position of its window (the vllm export's attention).
-WHOLE_WINDOW_STEPS = {"cpu": 50, "cuda": 500}
 
 
 def refine_device() -> torch.device:
@@ -36,7 +34,8 @@ class Refinement:
     lr: float = 3e-3  # relative: each tensor's rate is this × its RMS (`convert.optim.relative_rates`)
     batch: int = 1  # calibration windows per step
     # query positions per step (None: every position), each attending to its whole window's keys
-    # (modules that take `key_states`, `convert.mla.attention.MLAAttention`; others fit every position)
+    # (modules that take `key_states`: `convert.mla.attention.MLAAttention`, the vllm export's
+    # `ExportAttention`; others fit every position)
     queries: int | None = None
     # calibration windows (the first) on which the error before and after decides whether the fit is kept
     checked: int = 4
@@ -44,12 +43,10 @@ class Refinement:
     device: str = "cpu"
 
     @classmethod
-    def sized(cls, steps: int | None, queries: int | None = None, whole_windows: bool = False) -> "Refinement":
+    def sized(cls, steps: int | None, queries: int | None = None) -> "Refinement":
         """`steps` of `queries` positions (None: `REFINE_STEPS`, `REFINE_QUERIES` for the device that
-        refines; whole_windows: `WHOLE_WINDOW_STEPS` of every position) on `refine_device()`."""
+        refines) on `refine_device()`."""
         device = refine_device().type
-        if whole_windows:
-            return cls(steps=WHOLE_WINDOW_STEPS[device] if steps is None else steps, device=device)
         steps = REFINE_STEPS[device] if steps is None else steps
         return cls(steps=steps, queries=REFINE_QUERIES[device] if queries is None else queries, device=device)
 
@@ -123,8 +120,8 @@ def _at_queries(rows: dict, positions: torch.Tensor, keys: torch.Tensor, window:
     subset |= {"key_states": keys, "key_position_embeddings": rotary}
     if rotary is not None:
         subset["position_embeddings"] = tuple(t[..., positions, :] for t in rotary)  # (B|1, Q, d)
-    if rows.get("position_ids") is not None:
-        subset["position_ids"] = rows["position_ids"][..., positions]
+    if rows.get("position_ids") is not None:  # the keys' own for a module that turns them itself
+        subset |= {"position_ids": rows["position_ids"][..., positions], "key_position_ids": rows["position_ids"]}
     return subset
 
 

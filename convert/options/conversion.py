@@ -232,15 +232,15 @@ class ConvertOptions(VerifyOptions):
         "After factoring, fit each compressed layer to the original layer's attention output on --calib "
         "(Adam steps per layer, one calibration window each, --refine-queries of its positions; 0: off). "
         "Default: sized to the device that refines (CUDA when there is one: 500; CPU: 100, ~5 s per "
-        "SmolLM2-135M layer on 2 cores). With --target vllm: the latent compressed into vLLM's 512 dims (7B+ "
-        "sources) is refined the same way, on every position of a window (CPU: 50 steps; CUDA: 500).",
+        "SmolLM2-135M layer on 2 cores). With --target vllm or llamacpp: a compressed latent (vLLM's 512 dims "
+        "for 7B+ sources, --kv-cache-ratio in llama.cpp) is refined the same way.",
         group="compression",
         kind=int,
     )
     refine_queries: int | None = option(
         None,
         "Query positions each refinement step fits, drawn at random from its window, each attending to every "
-        "key before it (the MLA layouts; a step costs less with fewer). Default: sized to the device (CPU: 128 "
+        "key before it (a step costs less with fewer). Default: sized to the device (CPU: 128 "
         "of the window's 1,024; CUDA: all).",
         group="compression",
         kind=int,

@@ -54,9 +54,13 @@ def check_options(opts) -> None:
         "--kv-cache-ratio": opts.kv_cache_ratio,
         "--method": opts.method,
         "--allocation": opts.allocation,
-        "--refine-queries": opts.refine_queries,  # the vllm export's attention fits every position
     }
-    calibration = {"--calib": opts.calib, "--max-ppl-ratio": opts.max_ppl_ratio, "--calibration": opts.calibration}
+    calibration = {
+        "--calib": opts.calib,
+        "--max-ppl-ratio": opts.max_ppl_ratio,
+        "--calibration": opts.calibration,
+        "--refine-queries": opts.refine_queries,  # the exports refine a compressed latent as the mla layouts do
+    }
     if entry.sized:
         shape.pop("--kv-cache-ratio")
     ignored = ({} if entry.compresses else shape) | ({} if entry.calibrates else calibration)

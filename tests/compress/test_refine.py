@@ -207,7 +207,7 @@ def test_cli_refine_steps_and_its_refusals(tmp_path):
         (["--calib", str(calib), "--refine-steps", "-1"], "--refine-steps -1"),
         (["--calib", str(calib), "--refine-queries", "0"], "--refine-queries 0"),
         (
-            ["--calib", str(calib), "--target", "vllm", "--refine-queries", "64"],
+            ["--target", "transformers", "--refine-queries", "64"],  # it calibrates nothing it could refine
             "--refine-queries: only for --target mla",
         ),
         (["--method", "svd", "--refine-steps", "5"], "--refine-steps fits each layer"),

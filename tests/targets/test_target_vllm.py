@@ -272,6 +272,35 @@ def test_the_exports_attention_stands_in_for_the_sources(mask):
     assert float((got - want).norm() / want.norm()) < 1e-5
 
 
+def test_the_exports_attention_takes_some_queries_against_every_key():
+    """What a refinement step runs (`convert.compress.refine._at_queries`): some positions' queries against
+    the keys of the whole window, with their rows of the mask. A lossy export (two key heads) in a source
+    decoder layer gives at those positions what it gives on the whole window, in the layer and alone."""
+    from convert.compress.refine import _at_queries
+    from convert.targets.vllm.runtime import ExportAttention
+
+    model = tiny_llama(2)
+    choices = ExportChoices(stats=identity_stats(), dtype=torch.float32)
+    tensors, config = to_vllm_deepseek(model.state_dict(), model.config, choices)
+    prefix = "model.layers.1.self_attn."
+    own = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
+    layer = model.model.layers[1]
+    layer.self_attn = ExportAttention(config, 1, own, config["convert_export"]["residual_scale"])
+    x = torch.randn(2, 24, HIDDEN, generator=torch.Generator().manual_seed(3))
+    ids = torch.arange(24)[None]
+    rows = dict(
+        hidden_states=x, attention_mask=None, position_embeddings=model.model.rotary_emb(x, ids), position_ids=ids
+    )
+    queries = torch.tensor([0, 5, 6, 17, 23])
+    with torch.no_grad():  # the keys come from what the attention is called with: the layer's normed input
+        subset = _at_queries(rows, queries, layer.input_layernorm(x), None)
+        whole, some = layer(**rows), layer(**subset)
+        alone = layer.self_attn(**_at_queries(rows, queries, x, None))[0]
+        wanted = layer.self_attn(x, position_ids=ids)[0][:, queries]
+    assert some.shape == (2, 5, HIDDEN) and torch.allclose(some, whole[:, queries], atol=1e-5)
+    assert torch.allclose(alone, wanted, atol=1e-5) and float(wanted.norm()) > 1
+
+
 @pytest.mark.parametrize(("calibration", "refine_steps"), [(None, None), ("sequential", None), (None, 0)])
 def test_an_8b_shaped_source_is_compressed_into_the_latent_through_the_api(tmp_path, calibration, refine_steps):
     """Llama-3-8B's attention (G = 8 key heads of d = 128, llama3 RoPE; 16 query heads here,
@@ -315,9 +344,7 @@ def test_an_8b_shaped_source_is_compressed_into_the_latent_through_the_api(tmp_p
     exported = written["convert_export"]
     assert exported["latent_compressed"] and exported["latent_weighting"] == "fisher"
     assert exported["latent_calibration"] == (calibration or "original")
-    assert exported["latent_refine_steps"] == (
-        Refinement.sized(None, whole_windows=True).steps if refine_steps is None else 0
-    )
+    assert exported["latent_refine_steps"] == (Refinement.sized(None).steps if refine_steps is None else 0)
     assert exported["latent_content_dims"] == 64 * 15 + 1024 and exported["latent_dims_used"] == 510
     target = result.report["target"]
     assert target["cache_values_per_token_per_layer"] == 576 and target["gqa_cache_values_per_token_per_layer"] == 2048
@@ -347,8 +374,8 @@ def test_refining_a_compressed_latent_fits_each_layer_and_moves_only_what_vllm_r
         stats = export_statistics(checkpoint, config, view, spec, calib, fisher=False)  # the plain moments
         assert all(layer.key_fisher is None and layer.rotation_fit is not None for layer in stats)
         rank = latent_content_rank(spec) // 3
-        for steps in (0, 40):
-            sequential = latent_sequential(checkpoint, config, calib, "original", Refinement(steps=steps))
+        for steps in (0, 40):  # each step on 128 query positions of a window, as the target refines
+            sequential = latent_sequential(checkpoint, config, calib, "original", Refinement(steps=steps, queries=128))
             assert (sequential is None) == (steps == 0)  # neither refit nor refined: nothing to run
             choices = ExportChoices(stats=stats, rank=rank, sequential=sequential)
             exports[steps], export_config = to_vllm_deepseek(state, config, choices)

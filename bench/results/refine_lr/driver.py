@@ -15,9 +15,9 @@ lr = float(sys.argv[1])
 sized = refine.Refinement.sized.__func__
 
 
-def with_rate(cls, steps, queries=None, whole_windows=False):
+def with_rate(cls, steps, queries=None):
     """The package's sizing, then the learning rate LR."""
-    return dataclasses.replace(sized(cls, steps, queries, whole_windows), lr=lr)
+    return dataclasses.replace(sized(cls, steps, queries), lr=lr)
 
 
 refine.Refinement.sized = classmethod(with_rate)

@@ -15,9 +15,9 @@ steps, queries = int(sys.argv[2]), None if sys.argv[3] == "all" else int(sys.arg
 sized = refine.Refinement.sized.__func__
 
 
-def resized(cls, given_steps, given_queries=None, whole_windows=False):
+def resized(cls, given_steps, given_queries=None):
     """The package's sizing, then STEPS of QUERIES positions wherever it refines."""
-    how = sized(cls, given_steps, given_queries, whole_windows)
+    how = sized(cls, given_steps, given_queries)
     return dataclasses.replace(how, steps=steps, queries=queries) if how.steps else how
 
 

@@ -132,6 +132,6 @@ def export_choices(
     if not compressed:
         return ExportChoices(stats=stats, dtype=dtype, rank=rank)
     # each compressed layer fitted to its attention output, as the MLA layouts are (sized to the device)
-    refinement = Refinement.sized(opts.refine_steps, whole_windows=True)  # the export's attention: every position
+    refinement = Refinement.sized(opts.refine_steps, opts.refine_queries)
     sequential = latent_sequential(source, config, ids, opts.calibration, refinement)
     return ExportChoices(stats=stats, dtype=dtype, rank=rank, sequential=sequential, shrinkage=opts.shrinkage)

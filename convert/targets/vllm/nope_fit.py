@@ -169,13 +169,15 @@ def attention_probabilities(attention: torch.nn.Module, x: torch.Tensor, rotary,
     return torch.softmax(scores.float(), dim=-1).to(x.dtype)
 
 
-def additive_mask(mask: torch.Tensor | None, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """An attention mask as the (..., L, L) float one added to the scores: a bool mask (True:
-    attend) as 0 / -inf, a float one as it is, None (transformers leaves a plain causal mask to
-    its kernels) as the causal one."""
+def additive_mask(mask: torch.Tensor | None, length: int, dtype: torch.dtype, keys: int | None = None) -> torch.Tensor:
+    """An attention mask as the (..., L, S) float one added to the scores (S: `keys`, None: L): a bool
+    mask (True: attend) as 0 / -inf, a float one as it is, None (transformers leaves a plain causal mask
+    to its kernels) as the causal one (L = S only)."""
     if mask is None:
+        if keys is not None and keys != length:
+            raise ValueError(f"additive_mask: no causal mask for {length} queries of {keys} keys; pass the mask")
         return torch.full((length, length), float("-inf"), dtype=dtype).triu(1)
-    mask = mask[..., :length, :length]
+    mask = mask[..., :length, : length if keys is None else keys]
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
     return mask.to(dtype)

@@ -3,6 +3,7 @@ layer's export attention standing in a source decoder layer (`ExportAttention`).
 
 import torch
 from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3 import modeling_deepseek_v3
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
 from convert.targets.vllm.geometry import KV_LORA_RANK, LATENT_DIMS
@@ -33,13 +34,58 @@ class ExportAttention(torch.nn.Module):
         tensors["o_proj.weight"] = tensors["o_proj.weight"] * s
         return tensors
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, **kwargs):
+    def forward(
+        self, hidden_states, attention_mask=None, position_ids=None, key_states=None, key_position_ids=None, **kwargs
+    ):
+        """The attention of `hidden_states` (B, L, D) at `position_ids` (B|1, L; None: 0..L-1). key_states
+        (B, S, D) at `key_position_ids` (B|1, S; None: 0..S-1): the hidden states the keys and values come
+        from, where they are not the queries' (some positions' queries against a whole window, as
+        `convert.compress.refine` steps; `attention_mask` (…, L, S) then says which keys each query sees)."""
         L = hidden_states.shape[1]
         if position_ids is None:
             position_ids = torch.arange(L, device=hidden_states.device)[None]
         rotary = self.rotary(hidden_states, position_ids)
-        mask = additive_mask(attention_mask, L, hidden_states.dtype)
-        return self.attention(hidden_states, position_embeddings=rotary, attention_mask=mask)
+        if key_states is None:
+            mask = additive_mask(attention_mask, L, hidden_states.dtype)
+            return self.attention(hidden_states, position_embeddings=rotary, attention_mask=mask)
+        S = key_states.shape[1]
+        if key_position_ids is None:
+            key_position_ids = torch.arange(S, device=key_states.device)[None]
+        mask = additive_mask(attention_mask, L, hidden_states.dtype, keys=S)  # (…, L, S)
+        keyed = keyed_attention(
+            self.attention, hidden_states, key_states, rotary, self.rotary(key_states, key_position_ids), mask
+        )
+        return keyed, None
+
+
+def keyed_attention(attention, hidden_states, key_states, rotary, key_rotary, mask) -> torch.Tensor:
+    """transformers' DeepseekV3Attention (eager, no cache) with the queries from `hidden_states` (B, L, D)
+    turned by `rotary` and the keys and values from `key_states` (B, S, D) turned by `key_rotary`, under the
+    additive `mask` (…, L, S): the output (B, L, D). At key_states = hidden_states it is the module's own."""
+    B, L = hidden_states.shape[:2]
+    S = key_states.shape[1]
+    if attention.q_lora_rank is None:
+        q = attention.q_proj(hidden_states)
+    else:
+        q = attention.q_b_proj(attention.q_a_layernorm(attention.q_a_proj(hidden_states)))
+    q = q.view(B, L, -1, attention.qk_head_dim).transpose(1, 2)  # (B, H, L, e)
+    q_pass, q_rot = torch.split(q, [attention.qk_nope_head_dim, attention.qk_rope_head_dim], dim=-1)
+    latent = attention.kv_a_proj_with_mqa(key_states)  # (B, S, r + rope)
+    kv_nope, k_rot = torch.split(latent, [attention.kv_lora_rank, attention.qk_rope_head_dim], dim=-1)
+    kv_nope = attention.kv_a_layernorm(kv_nope).view(B, 1, S, attention.kv_lora_rank)
+    k_rot = k_rot.view(B, 1, S, attention.qk_rope_head_dim)
+    turn = (
+        modeling_deepseek_v3.apply_rotary_pos_emb_interleave
+        if attention.config.rope_interleave
+        else modeling_deepseek_v3.apply_rotary_pos_emb
+    )
+    q_rot = turn(q_rot, q_rot, *rotary)[0]
+    k_rot = turn(k_rot, k_rot, *key_rotary)[1]
+    keys, values = attention.expand_kv(kv_nope, k_rot)  # (B, H, S, e), (B, H, S, v)
+    output, _ = modeling_deepseek_v3.eager_attention_forward(
+        attention, torch.cat((q_pass, q_rot), dim=-1), keys, values, mask, scaling=attention.scaling
+    )  # (B, L, H, v)
+    return attention.o_proj(output.reshape(B, L, -1))
 
 
 #: Tensors of an export vLLM never reads (its attention Linears have no biases): healing leaves them.
