@@ -19,7 +19,7 @@ import transformers
 
 from convert._version import __version__
 from convert.errors import ConvertError
-from convert.heap import release_freed_memory
+from convert.heap import large_allocations_mapped, release_freed_memory
 from convert.hf import source_fields
 from convert.io import open_checkpoint
 from convert.layouts import module_layout
@@ -128,8 +128,8 @@ def verify_paths(original, converted, **options) -> dict:
 def verify_with(original, converted, opts: VerifyOptions) -> dict:
     """`verify_paths` with its options already parsed (what a conversion hands on), within its memory
     cap (`convert.verify.memory.memory_cap`: --max-memory, or the default counted from the resident
-    memory when the run began)."""
-    with memory_run():
+    memory when the run began), large allocations mapped on their own (`large_allocations_mapped`)."""
+    with memory_run(), large_allocations_mapped():
         return _verify_with(original, converted, opts)
 
 
