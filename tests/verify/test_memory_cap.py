@@ -92,5 +92,5 @@ def test_verification_maps_large_blocks_so_a_freed_layer_leaves_no_resident_page
         done = subprocess.run([sys.executable, "-c", HEAP_PROBE, how], capture_output=True, text=True, cwd=REPO)
         assert done.returncode == 0, done.stderr
         given_back[how] = int(done.stdout)
+    # without the bound the block stays resident here (glibc 2.36: "heap" 0): the bound must give it back
     assert given_back["mapped"] >= 7 * 2**20, given_back
-    assert given_back["heap"] < 2**20, given_back  # glibc's own behaviour, which the bound is there for
