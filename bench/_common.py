@@ -37,8 +37,8 @@ def austen_file(book: str = "emma") -> Path:
     """A UTF-8 text file with one of Austen's novels, written once into the results dir."""
     import realdata
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"austen-{book}.txt.tmp"  # *.tmp is git-ignored
+    path = RESULTS / "austen.tmp" / f"{book}.txt"  # *.tmp is git-ignored; .txt, as --calib and --text ask
+    path.parent.mkdir(parents=True, exist_ok=True)
     if not path.is_file():
         path.write_text(realdata.austen_text(book), encoding="utf-8")
     return path

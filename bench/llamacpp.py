@@ -4,7 +4,8 @@ For one model, in one run: the original as llama.cpp's own converter writes it (
 quantizer makes it (Q4_K_M), and this package's deepseek2 files at each --kv-cache-ratio share
 (1 = the full latent), F16 and Q4_K_M (llama.cpp's quantizer on our F16 file). For each file:
   - the KV cache's size as llama.cpp itself reports it (its `llama_kv_cache: size = ... MiB` line),
-    at each context;
+    at each context, and at each --kv-contexts one (a context made, nothing evaluated: 32K prompts
+    take hours on 2 cores);
   - prompt tokens/s over a prompt of that context, and decode tokens/s at that context (the median
     of --decode greedy steps after it), every file at one context before the next context;
   - perplexity from llama.cpp's own logits on the shipped held-out text of every kind (fiction,
@@ -13,7 +14,10 @@ Then a table, one line per figure (`smollm2 kv_ratio_32768_0.25_F16 0.251`), the
 memory and decode speed against context, and the JSON (written after every measurement).
 
     python bench/llamacpp.py --model smollm2 [--shares 1,0.5,0.25] [--types F16,Q4_K_M]
-        [--contexts 1024,8192,32768] [--decode 32] [--eval-tokens 1024] [--threads 2]
+        [--contexts 1024,8192] [--kv-contexts 32768] [--decode 32] [--eval-tokens 1024] [--threads 2]
+
+llama.cpp runs with flash attention on (as its own tools do by default; bench/llamacpp_run.py says
+why it matters for MLA); CONVERT_LLAMACPP_FLASH_ATTN=0 measures without it.
 
 Needs: llama.cpp's engine (bash scripts/llamacpp_env.sh), and for the original's GGUF llama.cpp's
 own convert_hf_to_gguf.py, taken from the llama-cpp-python 0.3.36 sdist (pip download, kept in the
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -50,7 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=("smollm2", "qwen25coder"), default="smollm2")
     p.add_argument("--shares", default="1,0.5,0.25", help="--kv-cache-ratio shares (1: the full latent)")
     p.add_argument("--types", default="F16,Q4_K_M", help="tensor types: F16 and/or Q4_K_M")
-    p.add_argument("--contexts", default="1024,8192,32768", help="prompt lengths the speed and KV size are taken at")
+    p.add_argument("--contexts", default="1024,8192", help="prompt lengths the speed and KV size are taken at")
+    p.add_argument("--kv-contexts", default="32768", help="contexts the KV size alone is taken at ('' for none)")
     p.add_argument("--decode", type=int, default=32, help="greedy steps timed after each prompt (median)")
     p.add_argument("--eval-tokens", type=int, default=1024, help="tokens of each kind of held-out text")
     p.add_argument("--threads", type=int, default=2)
@@ -181,12 +187,14 @@ def main(argv=None) -> None:
     shares = [float(s) for s in args.shares.split(",")]
     types = args.types.split(",")
     contexts = [int(c) for c in args.contexts.split(",")]
+    kv_contexts = [int(c) for c in args.kv_contexts.split(",") if c]
     out = args.out or _common.RESULTS / f"llamacpp_{args.model}.json"
     work = _common.RESULTS / f"llamacpp-{args.model}.tmp"  # *.tmp: git-ignored, reused by a rerun
     work.mkdir(parents=True, exist_ok=True)
     quiet = _common.wait_quiet(1.0, 300)
     contention = _common.Contention()
     result = _common.header("llamacpp", "cpu", quiet) | {"model": args.model, "files": {}, "goals": {}}
+    result["flash_attn"] = os.environ.get("CONVERT_LLAMACPP_FLASH_ATTN", "1") != "0"
 
     files = {f"original {t}": (path, "original", t) for t, path in originals(args.model, work, types).items()}
     for share in shares:
@@ -219,15 +227,23 @@ def main(argv=None) -> None:
             print(f"[{label} @ {context}] {figures}", file=sys.stderr, flush=True)
             _common.write_json(out, result)
 
-    result["lines"] = lines(args.model, result["files"], contexts)
-    result["goals"] = goals(result["files"], contexts)
+    for context in kv_contexts:
+        for label, (path, _, _) in files.items():
+            _, stderr = engine(python, "kv", path, context)
+            result["files"][label].setdefault("at", {}).setdefault(str(context), {})["kv_bytes"] = kv_bytes(
+                stderr, context
+            )
+        _common.write_json(out, result)
+
+    result["lines"] = lines(args.model, result["files"], contexts, kv_contexts)
+    result["goals"] = goals(result["files"], contexts, kv_contexts)
     result["contention"] = contention.report()
     _common.write_json(out, result)
-    print(report_table(result["files"], contexts))
+    print(report_table(result["files"], contexts, kv_contexts))
     print("\n".join(result["lines"]))
     for name, goal in result["goals"].items():
         print(f"goal {name}: {goal['value']} ({goal['bound']}) {'met' if goal['met'] else 'MISSED'}")
-    plot(result["files"], contexts, out.with_suffix(".png"), args.model)
+    plot(result["files"], contexts, kv_contexts, out.with_suffix(".png"), args.model)
     print(_common.contention_line(result["contention"]))
 
 
@@ -243,26 +259,27 @@ def _ratio(files: dict, label: str, context: int, key: str) -> float:
     return entry["at"][str(context)][key] / base["at"][str(context)][key]
 
 
-def lines(model: str, files: dict, contexts: list[int]) -> list[str]:
+def lines(model: str, files: dict, contexts: list[int], kv_contexts: list[int]) -> list[str]:
     """One line per figure: `<model> <figure>_<context>_<share>_<type> <value>`."""
     out = []
     for label, entry in files.items():
         if entry["share"] == "original":
             continue
         tag = f"{entry['share']:g}_{entry['type']}"
-        for context in contexts:
+        for context in sorted({*contexts, *kv_contexts}):
             out.append(f"{model} kv_ratio_{context}_{tag} {_ratio(files, label, context, 'kv_bytes'):.3f}")
-            out.append(f"{model} decode_ratio_{context}_{tag} {_ratio(files, label, context, 'decode_tok_s'):.3f}")
+            if context in contexts:
+                out.append(f"{model} decode_ratio_{context}_{tag} {_ratio(files, label, context, 'decode_tok_s'):.3f}")
         worst = max(entry["ppl_ratio"].values())
         out.append(f"{model} worst_ppl_ratio_{tag} {worst:.3f}")
     return out
 
 
-def goals(files: dict, contexts: list[int]) -> dict:
+def goals(files: dict, contexts: list[int], kv_contexts: list[int]) -> dict:
     """The issue's goals on what was measured: KV at the longest context at 25% ≤ 0.27× the original's;
     decode at 8K and 32K at 25% at least the original's; the full latent within ×1.05 on every kind
     (F16); Q4_K_M's ratio within 0.02 of F16's, each share."""
-    out, longest = {}, max(contexts)
+    out, longest = {}, max([*contexts, *kv_contexts])
     for label, entry in files.items():
         share, kind = entry["share"], entry["type"]
         if share == "original":
@@ -286,15 +303,16 @@ def goals(files: dict, contexts: list[int]) -> dict:
     return out
 
 
-def report_table(files: dict, contexts: list[int]) -> str:
-    headers = ["file", "MB", *(f"KV MiB @{c}" for c in contexts), *(f"decode tok/s @{c}" for c in contexts),
+def report_table(files: dict, contexts: list[int], kv_contexts: list[int]) -> str:
+    every = sorted({*contexts, *kv_contexts})
+    headers = ["file", "MB", *(f"KV MiB @{c}" for c in every), *(f"decode tok/s @{c}" for c in contexts),
                *(f"prompt tok/s @{c}" for c in contexts), "worst ppl ×"]  # fmt: skip
     rows = []
     for label, entry in files.items():
         at = entry.get("at", {})
         rows.append([
             label, entry["bytes"] / 1e6,
-            *(at.get(str(c), {}).get("kv_bytes", 0) / 2**20 for c in contexts),
+            *(at.get(str(c), {}).get("kv_bytes", 0) / 2**20 for c in every),
             *(at.get(str(c), {}).get("decode_tok_s") for c in contexts),
             *(at.get(str(c), {}).get("prompt_tok_s") for c in contexts),
             max(entry["ppl_ratio"].values()),
@@ -302,7 +320,7 @@ def report_table(files: dict, contexts: list[int]) -> str:
     return _common.table(headers, rows)
 
 
-def plot(files: dict, contexts: list[int], path: Path, model: str) -> None:
+def plot(files: dict, contexts: list[int], kv_contexts: list[int], path: Path, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -312,7 +330,8 @@ def plot(files: dict, contexts: list[int], path: Path, model: str) -> None:
     for label, entry in files.items():
         at = entry["at"]
         style = "-" if entry["share"] == "original" else "--"
-        kv.plot(contexts, [at[str(c)]["kv_bytes"] / 2**20 for c in contexts], style, marker="o", label=label)
+        every = sorted({*contexts, *kv_contexts})
+        kv.plot(every, [at[str(c)]["kv_bytes"] / 2**20 for c in every], style, marker="o", label=label)
         speed.plot(contexts, [at[str(c)]["decode_tok_s"] for c in contexts], style, marker="o", label=label)
     for ax, title in ((kv, "KV cache (MiB, llama.cpp's log)"), (speed, "decode tokens/s at that context")):
         ax.set_xscale("log", base=2)

@@ -10,7 +10,9 @@ before it (the first has none: null), and the greedy continuation of its first
 greedy_prompt_tokens tokens; plus the engine's version and attention backend notes.
 
 vLLM 0.32.0 CPU's C++ rotary kernel mishandles MLA's 3-D q_pe/k_pe views: the rotary op is
-switched to its PyTorch implementation (`custom_ops: ["-rotary_embedding"]`, DESIGN §10).
+switched to its PyTorch implementation (`custom_ops: ["-rotary_embedding"]`, DESIGN §10). On a CPU
+with AMX, vLLM picks its AMX_MLA backend, which takes bfloat16 or float16 weights only and stops a
+float32 model while loading ("expect weight to be bfloat16, float16, ..."): CPU_MLA is asked for.
 """
 
 import json
@@ -34,6 +36,7 @@ def main(model_dir: str, job_path: str, out_path: str) -> None:
         skip_tokenizer_init=True,
         max_model_len=job.get("max_model_len", 2048),
         compilation_config={"custom_ops": ["-rotary_embedding"]},
+        attention_backend="CPU_MLA",  # float32: AMX_MLA (vLLM's choice on AMX CPUs) takes 16-bit weights only
     )
     t_load = time.perf_counter() - t0
     scoring = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)

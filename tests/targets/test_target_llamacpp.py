@@ -227,9 +227,15 @@ def test_a_tampered_file_fails_verification(tmp_path):
 # ------------------------------------------------------------------ the real engine
 
 _ENGINE_RUN = """
-import json, sys, numpy as np, llama_cpp
-path, ids, steps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-llm = llama_cpp.Llama(path, n_ctx=256, logits_all=True, verbose=False, n_threads=1)
+import json, sys, numpy as np, llama_cpp, llama_cpp.llama
+path, ids, steps, flash = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+defaults = llama_cpp.llama_model_default_params
+def no_repack():  # as llama-cli --no-repack: AMX CPUs abort on a deepseek2 F16 file otherwise (docs/serving.md)
+    params = defaults()
+    params.use_extra_bufts = False
+    return params
+llama_cpp.llama.llama_cpp.llama_model_default_params = no_repack
+llm = llama_cpp.Llama(path, n_ctx=256, logits_all=True, verbose=False, n_threads=1, flash_attn=flash)
 llm.eval(ids)
 scores = np.asarray(llm.scores[: len(ids)], dtype=np.float64)
 logp = scores - np.log(np.exp(scores - scores.max(-1, keepdims=True)).sum(-1, keepdims=True)) - scores.max(-1, keepdims=True)
@@ -242,9 +248,9 @@ print(json.dumps({"logp": [float(logp[i, t]) for i, t in enumerate(ids[1:])], "g
 """
 
 
-def engine_run(path, prompt: list[int], steps: int = 8) -> dict:
+def engine_run(path, prompt: list[int], steps: int = 8, flash_attn: bool = False) -> dict:
     run = subprocess.run(
-        [str(ENGINE), "-c", _ENGINE_RUN, str(path), json.dumps(prompt), str(steps)],
+        [str(ENGINE), "-c", _ENGINE_RUN, str(path), json.dumps(prompt), str(steps), str(int(flash_attn))],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
@@ -260,16 +266,18 @@ def our_run(model, prompt: list[int], steps: int = 8) -> dict:
 
 
 @needs_engine
+@pytest.mark.parametrize("flash_attn", [False, True], ids=["plain", "flash-attn"])
 @pytest.mark.parametrize("n_kv_heads", [1, 3])
-def test_llama_cpp_computes_what_we_wrote(tmp_path, n_kv_heads):
+def test_llama_cpp_computes_what_we_wrote(tmp_path, n_kv_heads, flash_attn):
     """F32: llama.cpp's prompt log-probs within 1e-3 of our reading of the same file, greedy identical
-    (one head: the original model itself; three, SmolLM2's shape: the lossy export's)."""
+    (one head: the original model itself; three, SmolLM2's shape: the lossy export's), with llama.cpp's
+    plain attention and with its flash attention (llama-cli's default, and the fast path for MLA)."""
     text = tmp_path / "prose.txt"
     text.write_text(PROSE)
     lossy = {"calib": ids(64, 2), "text": text, "max_ppl_ratio": 2.0, "tokens": 64} if n_kv_heads > 1 else {}
     converted(tmp_path, tiny_llama(n_kv_heads), **lossy)
     prompt = ids(32, 5)[0].tolist()
     ours = our_run(load(tmp_path / "out", "cpu", torch.float32), prompt)
-    theirs = engine_run(tmp_path / "out" / "model.gguf", prompt)
+    theirs = engine_run(tmp_path / "out" / "model.gguf", prompt, flash_attn=flash_attn)
     assert np.abs(np.array(ours["logp"]) - np.array(theirs["logp"])).max() < 1e-3
     assert ours["greedy"] == theirs["greedy"]
