@@ -4,6 +4,7 @@ when it is built: llama.cpp's prompt log-probs and greedy tokens against ours on
 
 import json
 import subprocess
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -21,6 +22,7 @@ from convert.verify import verify_paths
 from conftest import PROSE
 
 ENGINE = engine_python()
+BENCH = Path(__file__).resolve().parents[2] / "bench"  # llamacpp_run.py: how the bench sets llama.cpp up
 needs_engine = pytest.mark.skipif(ENGINE is None, reason="llama.cpp is not built: run scripts/llamacpp_env.sh")
 
 
@@ -227,14 +229,10 @@ def test_a_tampered_file_fails_verification(tmp_path):
 # ------------------------------------------------------------------ the real engine
 
 _ENGINE_RUN = """
-import json, sys, numpy as np, llama_cpp, llama_cpp.llama
+import json, sys, numpy as np, llama_cpp
 path, ids, steps, flash = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-defaults = llama_cpp.llama_model_default_params
-def no_repack():  # as llama-cli --no-repack: AMX CPUs abort on a deepseek2 F16 file otherwise (docs/serving.md)
-    params = defaults()
-    params.use_extra_bufts = False
-    return params
-llama_cpp.llama.llama_cpp.llama_model_default_params = no_repack
+sys.path.insert(0, sys.argv[5])
+import llamacpp_run  # weight repacking off, as the bench runs llama.cpp (AMX CPUs abort otherwise: docs/serving.md)
 llm = llama_cpp.Llama(path, n_ctx=256, logits_all=True, verbose=False, n_threads=1, flash_attn=flash)
 llm.eval(ids)
 scores = np.asarray(llm.scores[: len(ids)], dtype=np.float64)
@@ -250,7 +248,7 @@ print(json.dumps({"logp": [float(logp[i, t]) for i, t in enumerate(ids[1:])], "g
 
 def engine_run(path, prompt: list[int], steps: int = 8, flash_attn: bool = False) -> dict:
     run = subprocess.run(
-        [str(ENGINE), "-c", _ENGINE_RUN, str(path), json.dumps(prompt), str(steps), str(int(flash_attn))],
+        [str(ENGINE), "-c", _ENGINE_RUN, str(path), json.dumps(prompt), str(steps), str(int(flash_attn)), str(BENCH)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
