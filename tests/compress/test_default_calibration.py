@@ -58,6 +58,8 @@ def test_the_shipped_text_is_small_sourced_and_held_out_apart():
 def test_the_shipped_text_is_what_its_builder_makes():
     pytest.importorskip("realdata")
     built = subprocess.run([sys.executable, str(FIXTURES / "calib_set.py"), "--check"], capture_output=True, text=True)
+    if built.returncode == 3:  # Debian replaced a source package's version: nothing to compare with
+        pytest.skip(built.stderr.strip())
     assert built.returncode == 0, built.stderr
 
 
