@@ -163,14 +163,20 @@ def contention_line(report: dict, limit: float = 0.1) -> str:
     return line
 
 
-def _cpu_model() -> str:
+def cpuinfo_field(field: str) -> str:
+    """The first processor's `field` in /proc/cpuinfo ("model name", "flags"; "" where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            name, _, value = line.partition(":")
+            if name.strip() == field:
+                return value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return ""
+
+
+def _cpu_model() -> str:
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def _mem_total_gib() -> float | None:

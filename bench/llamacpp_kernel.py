@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import header, median, table, wait_quiet, write_json  # noqa: E402
+from _common import cpuinfo_field, header, median, table, wait_quiet, write_json  # noqa: E402
 
 from convert.targets.llamacpp.engine import engine_python  # noqa: E402
 
@@ -100,13 +100,6 @@ def build_probe(work: Path) -> Path:
     return exe
 
 
-def cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
-
-
 def blocks(flags: set[str]) -> tuple[int, int]:
     """(dot block, update block) of ggml's f16 vector code as llama-cpp-python's build picks it for this
     CPU (GGML_NATIVE): simd-mappings.h's GGML_F32_STEP and GGML_F16_STEP."""
@@ -121,7 +114,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     ranks = [int(r) for r in args.ranks.split(",")]
     shapes = [(r + args.n_rot, r) for r in ranks]
-    dot_block, update_block = blocks(cpu_flags())
+    dot_block, update_block = blocks(set(cpuinfo_field("flags").split()))
     quiet = wait_quiet(args.max_load, args.wait)
     samples: dict[int, list[float]] = {r: [] for r in ranks}
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,12 +128,12 @@ def main(argv=None) -> None:
     for rank, (dk, dv) in zip(ranks, shapes):
         ms = median(samples[rank])
         left = (dk % dot_block, dv % update_block)
-        per_token_kb = (dk * 2) / 1024  # one layer's cached row in float16
+        row_kib = (dk * 2) / 1024  # one layer's cached row in float16
         records.append(
             {"kv_lora_rank": rank, "dk": dk, "dv": dv, "ms_per_call": ms, "samples": samples[rank],
-             "scalar_values_dot": left[0], "scalar_values_update": left[1], "row_kib": per_token_kb}
+             "scalar_values_dot": left[0], "scalar_values_update": left[1], "row_kib": row_kib}
         )  # fmt: skip
-        rows.append([rank, f"{dk} / {dv}", f"{per_token_kb:.3f}", f"{left[0]} / {left[1]}", f"{ms:.2f}"])
+        rows.append([rank, f"{dk} / {dv}", f"{row_kib:.3f}", f"{left[0]} / {left[1]}", f"{ms:.2f}"])
     fastest = min(r["ms_per_call"] for r in records)
     for row, rec in zip(rows, records):
         row.append(f"{rec['ms_per_call'] / fastest:.2f}")
