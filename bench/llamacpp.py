@@ -53,7 +53,10 @@ GOAL_KV_AT_25, GOAL_FULL_PPL, GOAL_Q4_DELTA = 0.27, 1.05, 0.02
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("smollm2", "qwen25coder"), default="smollm2")
-    p.add_argument("--shares", default="1,0.5,0.25", help="--kv-cache-ratio shares (1: the full latent)")
+    p.add_argument(
+        "--shares", default="1,0.5,0.25",
+        help="--kv-cache-ratio shares (1: the full latent); SHARE/N converts with --latent-multiple N as well",
+    )  # fmt: skip
     p.add_argument("--types", default="F16,Q4_K_M", help="tensor types: F16 and/or Q4_K_M")
     p.add_argument("--contexts", default="1024,8192", help="prompt lengths the speed and KV size are taken at")
     p.add_argument("--kv-contexts", default="32768", help="contexts the KV size alone is taken at ('' for none)")
@@ -119,27 +122,42 @@ def originals(model: str, work: Path, types: list[str]) -> dict[str, Path]:
     return files
 
 
-def converted(model: str, work: Path, share: float, types: list[str], calib_tokens) -> tuple[dict[str, Path], float]:
-    """Our deepseek2 file at `share` (F16, then Q4_K_M by llama.cpp's quantizer), and the seconds the
-    conversion took (the shipped calibration mix, no verification: judged here, in llama.cpp)."""
-    import convert
-    from convert.targets.llamacpp import quantize
+def parse_share(token: str) -> tuple[float, int | None]:
+    """`--shares` entry: SHARE or SHARE/N (--latent-multiple N)."""
+    share, _, multiple = token.partition("/")
+    return float(share), int(multiple) if multiple else None
 
-    out = work / f"mla-{share:g}" if calib_tokens is None else work / f"mla-{share:g}-calib{calib_tokens}"
+
+def share_tag(share: float, multiple: int | None) -> str:
+    return f"{share:g}" if multiple is None else f"{share:g}/{multiple}"
+
+
+def converted(
+    model: str, work: Path, share: float, types: list[str], calib_tokens, multiple: int | None = None
+) -> tuple[dict[str, Path], float]:
+    """Our deepseek2 file at `share` (F16, then Q4_K_M by llama.cpp's quantizer), the latent rounded up
+    to `multiple` (--latent-multiple), and the seconds the conversion took (the shipped calibration mix,
+    no verification: judged here, in llama.cpp)."""
+    import convert
+    from convert.targets.llamacpp import QUANT_OVERRIDES, quantize
+
+    name = f"mla-{share:g}" + ("" if multiple is None else f"-m{multiple}")
+    out = work / name if calib_tokens is None else work / f"{name}-calib{calib_tokens}"
     seconds = 0.0
     if not (out / "model.gguf").is_file():
         t0 = time.perf_counter()
         ratio = None if share >= 1 else share
         options = {} if calib_tokens is None else {"calib_tokens": calib_tokens}
+        options |= {} if multiple is None else {"latent_multiple": multiple}
         convert.gqa2mla(
             source_dir(model), out, target="llamacpp", gguf_type="F16", kv_cache_ratio=ratio, verify=False, **options
         )
         seconds = time.perf_counter() - t0
     files = {"F16": out / "model.gguf"}
-    if "Q4_K_M" in types:
-        q4 = out.with_name(out.name + "-Q4_K_M.gguf")
+    if "Q4_K_M" in types:  # as --gguf-type Q4_K_M makes it: the latent's tensors Q8_0 (QUANT_OVERRIDES)
+        q4 = out.with_name(out.name + "-Q4_K_M-latentQ8.gguf")
         if not q4.is_file():
-            quantize(out / "model.gguf", q4, "Q4_K_M")
+            quantize(out / "model.gguf", q4, "Q4_K_M", QUANT_OVERRIDES["Q4_K_M"])
         files["Q4_K_M"] = q4
     return files, seconds
 
@@ -184,7 +202,7 @@ def main(argv=None) -> None:
     python = engine_python()
     if python is None:
         sys.exit(f"llama.cpp is not built: bash {SCRIPT}")
-    shares = [float(s) for s in args.shares.split(",")]
+    shares = [parse_share(s) for s in args.shares.split(",")]
     types = args.types.split(",")
     contexts = [int(c) for c in args.contexts.split(",")]
     kv_contexts = [int(c) for c in args.kv_contexts.split(",") if c]
@@ -197,12 +215,14 @@ def main(argv=None) -> None:
     result["flash_attn"] = os.environ.get("CONVERT_LLAMACPP_FLASH_ATTN", "1") != "0"
 
     files = {f"original {t}": (path, "original", t) for t, path in originals(args.model, work, types).items()}
-    for share in shares:
-        made, seconds = converted(args.model, work, share, types, args.calib_tokens)
-        result.setdefault("convert_s", {})[f"{share:g}"] = round(seconds, 1)
-        files |= {f"mla {share:g} {t}": (path, share, t) for t, path in made.items()}
+    for share, multiple in shares:
+        made, seconds = converted(args.model, work, share, types, args.calib_tokens, multiple)
+        result.setdefault("convert_s", {})[share_tag(share, multiple)] = round(seconds, 1)
+        files |= {f"mla {share_tag(share, multiple)} {t}": (path, (share, multiple), t) for t, path in made.items()}
     for label, (path, share, kind) in files.items():
-        result["files"][label] = {"path": path, "share": share, "type": kind, "bytes": path.stat().st_size}
+        share, multiple = (share, None) if share == "original" else share
+        result["files"][label] = {"path": path, "share": share, "latent_multiple": multiple, "type": kind,
+                                  "bytes": path.stat().st_size}  # fmt: skip
 
     texts = judging(args.model, args.eval_tokens)
     ids_file = work / "judging.json"
@@ -266,6 +286,7 @@ def lines(model: str, files: dict, contexts: list[int], kv_contexts: list[int]) 
         if entry["share"] == "original":
             continue
         tag = f"{entry['share']:g}_{entry['type']}"
+        tag += "" if entry.get("latent_multiple") is None else f"_m{entry['latent_multiple']}"
         for context in sorted({*contexts, *kv_contexts}):
             out.append(f"{model} kv_ratio_{context}_{tag} {_ratio(files, label, context, 'kv_bytes'):.3f}")
             if context in contexts:
@@ -278,11 +299,11 @@ def lines(model: str, files: dict, contexts: list[int], kv_contexts: list[int]) 
 def goals(files: dict, contexts: list[int], kv_contexts: list[int]) -> dict:
     """The issue's goals on what was measured: KV at the longest context at 25% ≤ 0.27× the original's;
     decode at 8K and 32K at 25% at least the original's; the full latent within ×1.05 on every kind
-    (F16); Q4_K_M's ratio within 0.02 of F16's, each share."""
+    (F16); Q4_K_M's ratio within 0.02 of F16's, each share (files without --latent-multiple)."""
     out, longest = {}, max([*contexts, *kv_contexts])
     for label, entry in files.items():
         share, kind = entry["share"], entry["type"]
-        if share == "original":
+        if share == "original" or entry.get("latent_multiple") is not None:
             continue
         if share == 0.25:
             value = _ratio(files, label, longest, "kv_bytes")

@@ -79,6 +79,9 @@ def parse_args(argv=None):
     )
     p.add_argument("--runs", default="1x2048,8x2048", help="CONCURRENCYxCONTEXT batches timed ('' for none)")
     p.add_argument("--decode", type=int, default=32, help="greedy steps timed after each batch's first token")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after the timed runs, profile this many decode steps of the last run (torch's profiler; "
+                   "vLLM's engine then runs in-process for every run)")  # fmt: skip
     p.add_argument("--workdir", default=None, help="where the synthetic checkpoints go (~1 GB a layer)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints in --workdir; a rerun reuses them")
     p.add_argument(
@@ -136,7 +139,8 @@ def measure_shape(name: str, args, python: str, work: Path) -> dict:
     entry = {"limit": arithmetic_limit(config), "export_s": None if made else export(src, out), "models": {}}
     runs = [[int(x) for x in run.split("x")] for run in args.runs.split(",") if run]
     job = {"kv_space_gib": args.kv_space_gib, "max_model_len": args.max_model_len, "decode": args.decode,
-           "runs": runs, "vocab_size": args.vocab, "dtype": args.dtype, "attention_backend": args.attention_backend}  # fmt: skip
+           "runs": runs, "vocab_size": args.vocab, "dtype": args.dtype, "attention_backend": args.attention_backend,
+           "profile_steps": args.profile_steps}  # fmt: skip
     for label, model in (("original", src), ("vllm", out)):
         figures, log = engine(python, model, job, work)
         figures["cached_tokens"] = cached_tokens(log)
@@ -202,11 +206,24 @@ def main(argv=None) -> int:
     result["contention"] = contention.report()
     _common.write_json(args.out, result)
     print(report_table(result["shapes"]))
+    print(profile_table(result["shapes"]))
     print("\n".join(result["lines"]))
     for goal, figure in result["goals"].items():
         print(f"goal {goal}: {figure['value']} ({figure['bound']}) {'met' if figure['met'] else 'MISSED'}")
     print(_common.contention_line(result["contention"]))
     return 0
+
+
+def profile_table(shapes: dict, top: int = 8) -> str:
+    """Each profiled model's largest operators (own CPU time over the profiled decode steps)."""
+    rows = []
+    for name, entry in shapes.items():
+        for label, figures in entry["models"].items():
+            found = figures.get("profile")
+            for op in found["ops"][:top] if found else []:
+                per_step = op["self_ms"] / found["steps"]
+                rows.append([name, label, op["name"], op["calls"], per_step, f"{100 * op['share']:.1f}%"])
+    return _common.table(["shape", "model", "operator", "calls", "ms per step", "share"], rows) if rows else ""
 
 
 def report_table(shapes: dict) -> str:

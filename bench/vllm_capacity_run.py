@@ -13,6 +13,11 @@ engine-core clock), in two calls:
   - the same prompts again, 1 + `decode` tokens each: their prompts are in the prefix cache, so the batch
     starts decoding together; decode_tok_s is `concurrency` over the median request's time per step.
 The cache's size is vLLM's own log line (`CPU KV cache size: N tokens`, on stdout), read by the caller.
+
+With "profile_steps": N, the last run's prompts are decoded once more for N steps under torch's profiler
+(after the timed calls, so they are not slowed by it): the operators by their own CPU time, and the
+share of the decode step each takes. vLLM's engine then runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
+set before vLLM is imported, so for every run of the job: "in_process" says so) for the profiler to see it.
 """
 
 import json
@@ -26,6 +31,8 @@ import time
 def main(model_dir: str, job_path: str, out_path: str) -> None:
     job = json.loads(open(job_path).read())
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(job["kv_space_gib"])
+    if job.get("profile_steps"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -42,7 +49,8 @@ def main(model_dir: str, job_path: str, out_path: str) -> None:
         compilation_config={"custom_ops": ["-rotary_embedding"]},  # vLLM 0.32 CPU's rotary bug (DESIGN §10)
         **({"attention_backend": job["attention_backend"]} if job.get("attention_backend") else {}),
     )
-    result = {"vllm_version": vllm.__version__, "load_s": time.perf_counter() - t0, "runs": []}
+    result = {"vllm_version": vllm.__version__, "load_s": time.perf_counter() - t0, "runs": [],
+              "in_process": bool(job.get("profile_steps"))}  # fmt: skip
     rng = random.Random(job.get("seed", 0))
     vocab = job["vocab_size"]
     warm = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0, detokenize=False, ignore_eos=True)
@@ -68,8 +76,43 @@ def main(model_dir: str, job_path: str, out_path: str) -> None:
         print(json.dumps(result["runs"][-1]), file=sys.stderr, flush=True)
         with open(out_path, "w") as f:
             json.dump(result, f)
+    if job.get("profile_steps") and job["runs"]:
+        result["profile"] = profile(llm, prompts, job["profile_steps"])
     with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def profile(llm, prompts, steps: int, top: int = 15) -> dict:
+    """`steps` decode steps of `prompts` (already in the prefix cache) under torch's profiler, driven one
+    engine step at a time: the steps that compute each prompt's uncached tail (vLLM recomputes at least
+    its last position) run first, unprofiled. {"steps", "seconds" (the profiled steps, with the
+    profiler's overhead), "total_ms", "ops": [{"name", "self_ms", "calls", "share"}]}: the operators by
+    their own CPU time, largest first."""
+    import torch
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(
+        max_tokens=steps + 2, min_tokens=steps + 2, temperature=0.0, detokenize=False, ignore_eos=True
+    )  # none finishes while profiled
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"profile-{i}", prompt, params)
+    started: set[str] = set()
+    while len(started) < len(prompts):  # every prompt's first token: its tail computed
+        started |= {out.request_id for out in engine.step() if out.outputs and out.outputs[0].token_ids}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        seconds = time.perf_counter() - t0
+    while engine.has_unfinished_requests():
+        engine.step()
+    averages = [a for a in prof.key_averages() if a.self_cpu_time_total > 0]
+    total_us = sum(a.self_cpu_time_total for a in averages)
+    ops = sorted(averages, key=lambda a: -a.self_cpu_time_total)[:top]
+    return {"steps": steps, "seconds": seconds, "total_ms": total_us / 1e3, "ops": [
+        {"name": a.key, "self_ms": a.self_cpu_time_total / 1e3, "calls": a.count,
+         "share": a.self_cpu_time_total / total_us} for a in ops]}  # fmt: skip
 
 
 if __name__ == "__main__":  # vLLM spawns worker processes that re-import this module

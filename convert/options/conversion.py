@@ -281,6 +281,15 @@ class ConvertOptions(VerifyOptions):
         group="output",
         choices=GGUF_TYPES,
     )
+    latent_multiple: int | None = option(
+        None,
+        "With --target llamacpp: round the latent's width (kv_lora_rank) up to a multiple of N, e.g. 128: "
+        "llama.cpp's CPU attention runs such widths several times as fast (docs/serving.md). With "
+        "--kv-cache-ratio the compressed rank is rounded up (more of the latent kept, a larger cache); without "
+        "it the dims past the latent's need are zeros (as exact as before, a larger cache).",
+        group="output",
+        kind=int,
+    )
     force: bool = option(
         False, "Replace the output directory if it exists (only one that convert wrote).", group="output"
     )
@@ -322,6 +331,8 @@ class ConvertOptions(VerifyOptions):
             choice("--head-map", self.head_map, HEAD_MAPS)
         if self.arch is not None:
             choice("--arch", self.arch, ARCH_NAMES)
+        if self.latent_multiple is not None and self.latent_multiple <= 0:
+            raise ConvertError(f"--latent-multiple {self.latent_multiple} must be a positive number of dims, e.g. 128")
         if self.rank is not None and self.rank <= 0:
             raise ConvertError(
                 f"--rank {self.rank} must be a positive number of latent dims (omit it for the exact rank)"

@@ -42,6 +42,9 @@ TARGETS = {
     ),
 }
 
+#: The exports' latent width (vLLM's kv_lora_rank, `targets.vllm.geometry.KV_LORA_RANK`, which needs torch)
+EXPORT_LATENT = 512
+
 
 def check_options(opts) -> None:
     """Refuse the flags `opts.target` would ignore (it writes one fixed layout, or takes no
@@ -69,6 +72,16 @@ def check_options(opts) -> None:
     given = [flag for flag in (*order, *later) if ignored.get(flag) not in (None, False)]
     if opts.gguf_type is not None and opts.target != "llamacpp":
         raise ConvertError(f"--gguf-type: only for --target llamacpp (--target {opts.target} writes no GGUF); drop it")
+    if opts.latent_multiple is not None and opts.target != "llamacpp":
+        raise ConvertError(
+            f"--latent-multiple: only for --target llamacpp (it rounds the GGUF's kv_lora_rank; --target {opts.target} "
+            "writes none); drop it"
+        )
+    if opts.latent_multiple is not None and EXPORT_LATENT % opts.latent_multiple:
+        raise ConvertError(
+            f"--latent-multiple {opts.latent_multiple}: the latent is at most {EXPORT_LATENT} dims wide, so give a "
+            f"divisor of {EXPORT_LATENT} (64 or 128: llama.cpp's CPU attention's blocks)"
+        )
     if given:
         raise ConvertError(
             f"{', '.join(given)}: only for --target mla (--target {opts.target} writes one fixed layout); "

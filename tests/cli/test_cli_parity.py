@@ -60,6 +60,7 @@ NON_DEFAULTS = {
     "progress": (["-q"], False),
     "target": (["--target", "transformers"], "transformers"),
     "gguf_type": (["--target", "llamacpp", "--gguf-type", "q8_0"], "Q8_0"),
+    "latent_multiple": (["--target", "llamacpp", "--latent-multiple", "128"], 128),
     "arch": (["--arch", "llama"], "llama"),
     "n_heads": (["--n-heads", "4"], 4),
     "n_kv_heads": (["--n-kv-heads", "2"], 2),
@@ -86,7 +87,7 @@ NON_DEFAULTS = {
 
 
 #: the other flags a flag is given with (it is refused alone)
-NEEDS = {"gguf_type": {"target": "llamacpp"}}
+NEEDS = {"gguf_type": {"target": "llamacpp"}, "latent_multiple": {"target": "llamacpp"}}
 
 
 def test_the_table_above_covers_every_field():

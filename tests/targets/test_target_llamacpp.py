@@ -99,6 +99,34 @@ def test_kv_cache_ratio_compresses_the_latent_beside_the_rotary_key(tmp_path):
         convert.gqa2mla(tmp_path / "src", tmp_path / "x", target="llamacpp", kv_cache_ratio=0.5, method="svd")
 
 
+def test_latent_multiple_pads_the_latent_with_zeros_or_rounds_a_compressed_rank_up(tmp_path):
+    """--latent-multiple 128 (llama.cpp's CPU attention is several times as fast at such widths): the
+    three-head export's 192 latent dims written as 256, the 64 more zeros, the model computed the same;
+    with --kv-cache-ratio 0.25 the 32 dims it leaves are rounded up to 128 of fitted latent."""
+    text = tmp_path / "prose.txt"
+    text.write_text(PROSE)
+    options = dict(calib=ids(64, 2), text=text, max_ppl_ratio=100.0, tokens=64)
+    converted(tmp_path, tiny_llama(3), **options)
+    padded = convert.gqa2mla(tmp_path / "src", tmp_path / "padded", target="llamacpp", latent_multiple=128,
+                             progress=False, **options)  # fmt: skip
+    tensors, keys = read_gguf(tmp_path / "padded" / "model.gguf")
+    assert keys["deepseek2.attention.kv_lora_rank"] == 256
+    assert padded.report["target"]["cache_values_per_token_per_layer"] == 256 + 64
+    assert "zero-padded from 192 to 256" in padded.report["target"]["note"]
+    assert tensors["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"][192:256].abs().max() == 0
+    with torch.no_grad():
+        want = load(tmp_path / "out", "cpu", torch.float32)(ids()).logits
+        got = load(tmp_path / "padded", "cpu", torch.float32)(ids()).logits
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    quarter = convert.gqa2mla(tmp_path / "src", tmp_path / "quarter", target="llamacpp", latent_multiple=128,
+                              kv_cache_ratio=0.25, progress=False, **options)  # fmt: skip
+    export = quarter.config["convert_export"]
+    assert export["latent_compressed"] and export["latent_dims_used"] == 128 and not export["latent_padded_to"]
+    assert quarter.report["target"]["cache_values_per_token_per_layer"] == 128 + 64
+    with pytest.raises(ConvertError, match="latent_multiple.*only for target='llamacpp'"):
+        convert.gqa2mla(tmp_path / "src", tmp_path / "x", target="vllm", latent_multiple=128)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_tied_embeddings_stay_tied_in_the_file(tmp_path, tied):
     """A tied model's file has no output.weight (llama.cpp reads token_embd; SmolLM2: 56 MB less in
@@ -196,6 +224,39 @@ def test_q8_0_by_llama_cpps_quantizer_is_judged_by_perplexity(tmp_path):
     assert result.report["verdict"] == "PASS"
 
 
+@needs_engine
+def test_q4_k_m_keeps_the_latents_tensors_at_q8_0(tmp_path):
+    """--gguf-type Q4_K_M: llama.cpp's mix for the rest, the latent's three tensors Q8_0 (its mix has no
+    rule for them, and Q4 there cost SmolLM2's 50% file most of its extra loss: QUANT_OVERRIDES)."""
+    text = tmp_path / "prose.txt"
+    text.write_text(PROSE)
+    tiny_llama(1).save_pretrained(tmp_path / "src")
+    result = convert.gqa2mla(tmp_path / "src", tmp_path / "out", target="llamacpp", gguf_type="Q4_K_M", text=text,
+                             max_ppl_ratio=1.5, tokens=64, progress=False)  # fmt: skip
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "out" / "model.gguf")).tensors}
+    for layer in (0, 1):
+        for name in ("attn_kv_a_mqa", "attn_k_b", "attn_v_b"):
+            assert types[f"blk.{layer}.{name}.weight"] == "Q8_0", name
+        assert types[f"blk.{layer}.attn_q.weight"] not in ("Q8_0", "F16", "F32")  # the mix's 4-5 bits
+    assert "(the latent's tensors Q8_0)" in result.report["target"]["note"]
+
+
+@needs_engine
+def test_the_quantizer_takes_per_tensor_types_as_llama_quantize_does(tmp_path):
+    """`quantize(..., overrides)`: the tensors a pattern names get its type (llama-quantize's
+    --tensor-type, `tt_overrides`), the others the mix's; the same file without them differs."""
+    from convert.targets.llamacpp import quantize
+
+    converted(tmp_path, tiny_llama(1).to(torch.float16))
+    types = {}
+    for name, overrides in (("plain", ()), ("kept", [(r"blk\.1\.attn_v_b", "F16"), (r"attn_kv_a_mqa", "F16")])):
+        quantize(tmp_path / "out" / "model.gguf", tmp_path / f"{name}.gguf", "Q8_0", overrides)
+        types[name] = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / f"{name}.gguf")).tensors}
+    assert types["kept"]["blk.1.attn_v_b.weight"] == "F16" and types["kept"]["blk.0.attn_v_b.weight"] == "Q8_0"
+    assert types["plain"]["blk.1.attn_v_b.weight"] == "Q8_0" == types["plain"]["blk.0.attn_kv_a_mqa.weight"]
+    assert types["kept"]["blk.0.attn_kv_a_mqa.weight"] == "F16" and types["kept"]["blk.0.attn_q.weight"] == "Q8_0"
+
+
 @pytest.mark.parametrize(
     "make, options, match",
     [
@@ -206,6 +267,8 @@ def test_q8_0_by_llama_cpps_quantizer_is_judged_by_perplexity(tmp_path):
             "linear",
         ),
         (lambda: tiny_llama(1), {"kv_cache_ratio": 0.5}, "kv.cache.ratio"),
+        (lambda: tiny_llama(1), {"latent_multiple": 96}, "latent.multiple.96.*divisor of 512"),
+        (lambda: tiny_llama(1), {"latent_multiple": 0}, "latent.multiple.0 must be a positive"),
     ],
 )
 def test_refusals(tmp_path, make, options, match):
@@ -277,5 +340,19 @@ def test_llama_cpp_computes_what_we_wrote(tmp_path, n_kv_heads, flash_attn):
     prompt = ids(32, 5)[0].tolist()
     ours = our_run(load(tmp_path / "out", "cpu", torch.float32), prompt)
     theirs = engine_run(tmp_path / "out" / "model.gguf", prompt, flash_attn=flash_attn)
+    assert np.abs(np.array(ours["logp"]) - np.array(theirs["logp"])).max() < 1e-3
+    assert ours["greedy"] == theirs["greedy"]
+
+
+@needs_engine
+def test_llama_cpp_computes_a_zero_padded_latent_as_we_do(tmp_path):
+    """--latent-multiple 128: llama.cpp's flash attention over the 256-wide latent (64 dims zero)
+    gives our reading's log-probs within 1e-3, greedy identical."""
+    text = tmp_path / "prose.txt"
+    text.write_text(PROSE)
+    converted(tmp_path, tiny_llama(3), calib=ids(64, 2), text=text, max_ppl_ratio=2.0, tokens=64, latent_multiple=128)
+    prompt = ids(32, 5)[0].tolist()
+    ours = our_run(load(tmp_path / "out", "cpu", torch.float32), prompt)
+    theirs = engine_run(tmp_path / "out" / "model.gguf", prompt, flash_attn=True)
     assert np.abs(np.array(ours["logp"]) - np.array(theirs["logp"])).max() < 1e-3
     assert ours["greedy"] == theirs["greedy"]

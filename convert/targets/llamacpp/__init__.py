@@ -32,6 +32,11 @@ FILE = "model.gguf"
 #: --gguf-type's plain types as `write_gguf`'s names (the quantized ones, `QUANTIZED`, stay as named)
 TENSOR_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "Q8_0", "Q4_K_M": "Q4_K_M"}
 CACHE_DTYPES = (torch.float16, torch.bfloat16)
+#: Per-tensor types given to llama.cpp's quantizer (its `--tensor-type`) over its mix. Q4_K_M's mix gives
+#: the original's `attn_v` Q6_K in about half the layers and has no rule for deepseek2's latent tensors,
+#: which it leaves Q4_K; at Q8_0 they cost SmolLM2's 50% file 3 MB (3%) and take most of Q4_K_M's extra
+#: loss away (its worst kind's ratio 0.124 from the F16 file's, 0.022 so: bench/llamacpp_quant.py).
+QUANT_OVERRIDES = {"Q4_K_M": [(r"attn_kv_a_mqa|attn_k_b|attn_v_b", "Q8_0")]}
 FOREIGN = "llama.cpp (and llama-cpp-python, Ollama, LM Studio) runs model.gguf as deepseek2 MLA"
 __all__ = ["FILE", "FOREIGN", "NAME", "QUANTIZED", "build", "check", "load", "model", "quantize", "report"]
 
@@ -77,14 +82,14 @@ def build(source, opts) -> Build:
 
     def extra(directory: Path) -> None:
         out = dict(tensors)  # one model in memory (float32)
-        path, latent = Path(directory) / FILE, _latent(ds_config)
+        path, latent = Path(directory) / FILE, latent_width(ds_config, opts)
         if opts.gguf_type not in QUANTIZED:
             chosen = write_gguf(path, out, ds_config, latent, tensor_type, vocab)
         else:  # llama.cpp quantizes an F16 file (its scales chosen for F16's range), written here first
             plain = Path(directory) / f"{FILE}.f16"
             chosen = write_gguf(plain, out, ds_config, latent, "float16", vocab, half=True)
             out.clear()
-            quantize(plain, path, opts.gguf_type)
+            quantize(plain, path, opts.gguf_type, QUANT_OVERRIDES.get(opts.gguf_type, ()))
             plain.unlink()  # ours: written just above
         written.update(_config(chosen, ds_config, tensor_type, vocab, narrowed(tensor_type, stored)))
         counted["attention"] = attention_params(path)
@@ -127,7 +132,8 @@ def _check_tensor_type(opts, tensor_type: str, stored: torch.dtype) -> None:
 def latent_rank(spec: AttentionSpec, opts) -> int:
     """The latent dims --kv-cache-ratio leaves beside deepseek2's 64-dim rotary key: llama.cpp caches
     `kv_lora_rank + 64` values per token and layer, that share of the GQA cache's 2·G·d (all of
-    vLLM's usable latent, `LATENT_DIMS`, without the flag: the latent then at the width it needs)."""
+    vLLM's usable latent, `LATENT_DIMS`, without the flag: the latent then at the width it needs),
+    rounded up to a multiple of --latent-multiple."""
     if opts.kv_cache_ratio is None:
         return LATENT_DIMS
     values = round(opts.kv_cache_ratio * 2 * spec.n_kv_heads * spec.head_dim)
@@ -137,12 +143,18 @@ def latent_rank(spec: AttentionSpec, opts) -> int:
             f"--kv-cache-ratio {opts.kv_cache_ratio} keeps {values} values per token and layer, and llama.cpp's "
             f"deepseek2 caches a {ROPE_DIM}-dim rotary key besides the latent; give at least {least:.3f}"
         )
-    return min(values - ROPE_DIM, LATENT_DIMS)
+    return min(_round_up(values - ROPE_DIM, opts.latent_multiple), LATENT_DIMS)
 
 
-def _latent(ds_config: dict) -> int:
-    """The latent dims the export uses (the rest of vLLM's 512 are zero)."""
-    return ds_config["convert_export"]["latent_dims_used"]
+def latent_width(ds_config: dict, opts) -> int:
+    """The file's kv_lora_rank: the latent dims the export uses (the rest of vLLM's 512 are zero), or
+    those rounded up to a multiple of --latent-multiple (a divisor of 512: `check_options`), the dims
+    past them zeros (llama.cpp's CPU attention vectorises in blocks of 64 and 128: docs/serving.md)."""
+    return _round_up(ds_config["convert_export"]["latent_dims_used"], opts.latent_multiple)
+
+
+def _round_up(n: int, multiple: int | None) -> int:
+    return n if multiple is None else -(-n // multiple) * multiple
 
 
 def _config(chosen: dict, ds_config: dict, tensor_type: str, vocab, rounded: bool = False) -> dict:
@@ -163,6 +175,7 @@ def _config(chosen: dict, ds_config: dict, tensor_type: str, vocab, rounded: boo
         "residual_scale_log2": chosen["residual_scale_log2"],
         "latent_scale_log2": chosen["latent_scale_log2"],
         "kv_cache_dims_per_token_per_layer": latent + out["qk_rope_head_dim"],
+        "latent_padded_to": latent if latent > export["latent_dims_used"] else None,  # --latent-multiple's zeros
         "tokenizer_note": vocab.note,
     }
     out["convert_export"] = export
@@ -202,7 +215,7 @@ def model(state: dict, config: dict, opts, dtype: torch.dtype, device):
     out, vocab = dict(tensors), source_vocab(Path(tempfile.gettempdir()) / "no-tokenizer")
     with tempfile.TemporaryDirectory(prefix="convert-llamacpp-") as tmp:
         path = Path(tmp) / FILE
-        chosen = write_gguf(path, out, ds_config, _latent(ds_config), "float32", vocab)
+        chosen = write_gguf(path, out, ds_config, latent_width(ds_config, opts), "float32", vocab)
         return _deepseek(path, _config(chosen, ds_config, "float32", vocab), dtype, device)
 
 
@@ -254,6 +267,8 @@ def short_note(export: dict) -> str:
             f"; the latent COMPRESSED to {export['latent_dims_used']} of the {export['latent_content_dims']} dims the "
             "position-free keys and values need (--kv-cache-ratio)"
         )
+    if export.get("latent_padded_to"):
+        size += f"; the latent zero-padded from {export['latent_dims_used']} to {export['latent_padded_to']} dims"
     if export["exact"]:
         return f"for llama.cpp ({FILE}): exact; {size}"
     why = []
@@ -266,7 +281,8 @@ def short_note(export: dict) -> str:
     if export.get("latent_compressed"):
         why.append("the latent compressed")
     if export["tensor_type"] in QUANTIZED:
-        why.append(f"quantized to {export['tensor_type']} by llama.cpp's quantizer")
+        kept = " (the latent's tensors Q8_0)" if export["tensor_type"] in QUANT_OVERRIDES else ""
+        why.append(f"quantized to {export['tensor_type']} by llama.cpp's quantizer{kept}")
     elif export.get("rounded"):
         why.append(f"every matrix rounded to {export['tensor_type']}")
     return f"for llama.cpp ({FILE}): LOSSY, {'; '.join(why)}: check the perplexity ratio before serving; {size}"

@@ -1,9 +1,12 @@
 """The real llama.cpp, built by scripts/llamacpp_env.sh into its own virtual environment: where its
 python is (`engine_python`), and llama.cpp's own quantizer run there (`quantize`)."""
 
+import json
 import os
 import subprocess
 from pathlib import Path
+
+import gguf
 
 from convert.errors import ConvertError, EnvironmentFailure
 
@@ -12,9 +15,15 @@ QUANTIZED = {"Q8_0": 7, "Q4_K_M": 15}
 SCRIPT = "scripts/llamacpp_env.sh"
 
 _QUANTIZE = """
-import sys, llama_cpp
+import json, sys, llama_cpp
 params = llama_cpp.llama_model_quantize_default_params()
 params.ftype = int(sys.argv[3])
+overrides = json.loads(sys.argv[4])  # [[regex, ggml type], ...]: llama-quantize's --tensor-type
+if overrides:
+    table = (llama_cpp.llama_model_tensor_override * (len(overrides) + 1))()  # ends with a null pattern
+    for entry, (pattern, kind) in zip(table, overrides):
+        entry.pattern, entry.type = pattern.encode(), kind
+    params.tt_overrides = table
 sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params))
 """
 
@@ -27,16 +36,21 @@ def engine_python() -> Path | None:
     return venv / "bin" / "python" if built else None
 
 
-def quantize(source: Path, output: Path, kind: str) -> None:
+def quantize(source: Path, output: Path, kind: str, overrides: list[tuple[str, str]] = ()) -> None:
     """Quantize the GGUF `source` (written with half-range scales: `write_gguf(half=True)`) to `kind`
-    (`QUANTIZED`) at `output` with llama.cpp's `llama_model_quantize`."""
+    (`QUANTIZED`) at `output` with llama.cpp's `llama_model_quantize`; `overrides`: (regex over tensor
+    names, ggml type name such as "Q6_K") pairs that take precedence over the mix's choice, as
+    llama-quantize's `--tensor-type` does."""
     if kind not in QUANTIZED:
         raise ConvertError(f"quantization {kind!r}: llama.cpp's quantizer is used for {', '.join(QUANTIZED)} only")
     python = engine_python()
     if python is None:
         raise EnvironmentFailure(f"quantizing to {kind} runs llama.cpp's own quantizer: build it with {SCRIPT}")
+    types = json.dumps([[pattern, int(gguf.GGMLQuantizationType[name])] for pattern, name in overrides])
     run = subprocess.run(
-        [str(python), "-c", _QUANTIZE, str(source), str(output), str(QUANTIZED[kind])], capture_output=True, text=True
+        [str(python), "-c", _QUANTIZE, str(source), str(output), str(QUANTIZED[kind]), types],
+        capture_output=True,
+        text=True,
     )
     if run.returncode != 0:
         raise EnvironmentFailure(f"llama_model_quantize failed ({run.returncode}): {run.stderr.strip()[-500:]}")
