@@ -6,8 +6,8 @@ every kind, its ratio to the original Q4_K_M's against the F16 file's ratio to t
 (the goal: within 0.02).
 
 Q4_K_M gives the original's `attn_v` (and `ffn_down`) Q6_K in about half the layers (llama-quant.cpp,
-`use_more_bits`); a deepseek2 file's value path (`attn_kv_a_mqa`, `attn_v_b`) has no such rule, so it
-is Q4_K throughout unless overridden.
+`use_more_bits`); a deepseek2 file's latent tensors (`attn_kv_a_mqa`, `attn_k_b`, `attn_v_b`) have no
+rule, so they get the mix's 4-5 bits (Q4_K, or Q5_0 where a row is not a multiple of 256) unless overridden.
 
     python bench/llamacpp_quant.py [--model smollm2] [--share 0.5] [--variants all] [--eval-tokens 1024]
 
@@ -38,7 +38,7 @@ def variants(n_layers: int) -> dict[str, list[tuple[str, str]]]:
         "Q4_K_M": [],
         "latent Q8_0": [(r"attn_kv_a_mqa|attn_k_b|attn_v_b", "Q8_0")],
         "latent F16": [(r"attn_kv_a_mqa|attn_k_b|attn_v_b", "F16")],
-        # k_b / v_b rows are not a multiple of 256 values: llama.cpp falls back to Q8_0 for those
+        # a row not a multiple of 256 values (SmolLM2's 576-wide attn_kv_a_mqa, every k_b / v_b): Q8_0 instead
         "latent Q6_K": [(r"attn_kv_a_mqa|attn_k_b|attn_v_b", "Q6_K")],
         "kv_a Q8_0": [(r"attn_kv_a_mqa", "Q8_0")],
         "k_b,v_b Q8_0": [(r"attn_k_b|attn_v_b", "Q8_0")],
