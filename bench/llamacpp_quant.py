@@ -32,14 +32,19 @@ def more_bits_layers(n_layers: int) -> list[int]:
 
 
 def variants(n_layers: int) -> dict[str, list[tuple[str, str]]]:
-    """Named override sets: (regex over GGUF tensor names, ggml type)."""
+    """Named override sets: (regex over GGUF tensor names, ggml type). "latent Q8_0" is what
+    `--gguf-type Q4_K_M` ships (`QUANT_OVERRIDES`); the others vary it."""
+    from convert.targets.llamacpp import QUANT_OVERRIDES
+
+    shipped = QUANT_OVERRIDES["Q4_K_M"]
+    ((latent, _),) = shipped  # the latent's three tensors
     layers = "|".join(map(str, more_bits_layers(n_layers)))
     return {
         "Q4_K_M": [],
-        "latent Q8_0": [(r"attn_kv_a_mqa|attn_k_b|attn_v_b", "Q8_0")],
-        "latent F16": [(r"attn_kv_a_mqa|attn_k_b|attn_v_b", "F16")],
+        "latent Q8_0": shipped,
+        "latent F16": [(latent, "F16")],
         # a row not a multiple of 256 values (SmolLM2's 576-wide attn_kv_a_mqa, every k_b / v_b): Q8_0 instead
-        "latent Q6_K": [(r"attn_kv_a_mqa|attn_k_b|attn_v_b", "Q6_K")],
+        "latent Q6_K": [(latent, "Q6_K")],
         "kv_a Q8_0": [(r"attn_kv_a_mqa", "Q8_0")],
         "k_b,v_b Q8_0": [(r"attn_k_b|attn_v_b", "Q8_0")],
         "q,output Q8_0": [(r"attn_q\.|attn_output", "Q8_0")],

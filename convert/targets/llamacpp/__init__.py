@@ -34,8 +34,8 @@ TENSOR_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": 
 CACHE_DTYPES = (torch.float16, torch.bfloat16)
 #: Per-tensor types given to llama.cpp's quantizer (its `--tensor-type`) over its mix. Q4_K_M's mix gives
 #: the original's `attn_v` Q6_K in about half the layers and has no rule for deepseek2's latent tensors,
-#: which it leaves Q4_K; at Q8_0 they cost SmolLM2's 50% file 3 MB (3%) and take most of Q4_K_M's extra
-#: loss away (its worst kind's ratio 0.124 from the F16 file's, 0.022 so: bench/llamacpp_quant.py).
+#: which get its 4-5 bits; at Q8_0 they cost SmolLM2's 50% file 3 MB (3%) and take Q4_K_M's extra loss
+#: away (the worst kind's ratio +0.124 over the F16 file's, -0.011 so: bench/llamacpp_quant.py).
 QUANT_OVERRIDES = {"Q4_K_M": [(r"attn_kv_a_mqa|attn_k_b|attn_v_b", "Q8_0")]}
 FOREIGN = "llama.cpp (and llama-cpp-python, Ollama, LM Studio) runs model.gguf as deepseek2 MLA"
 __all__ = ["FILE", "FOREIGN", "NAME", "QUANTIZED", "build", "check", "load", "model", "quantize", "report"]
