@@ -15,6 +15,7 @@ GQA cache (rank = ratio·2·G·d − 64 beside the 64-dim rotary key; vLLM's 512
 fits every position of a window, as that attention did before it took some queries against every key.
 
     python bench/refine_cost.py --shape llama8b --ratio 0.25 [--device cuda]
+    python bench/refine_cost.py --shape qwen15b --ratio 0.5   # the 1.5B of bench/every_path.py
     python bench/refine_cost.py --shape smollm2 --ratio 0.25 --layouts export --queries all|128
 """
 
@@ -37,6 +38,7 @@ from convert.mla.config import MLASection  # noqa: E402
 #: Decoder shapes (hidden size D, query heads H, key/value heads G, head dim d, MLP width, layers).
 SHAPES = {
     "smollm2": (576, 9, 3, 64, 1536, 30),
+    "qwen15b": (1536, 12, 2, 128, 8960, 28),  # Qwen2.5(-Coder)-1.5B
     "llama8b": (4096, 32, 8, 128, 14336, 32),
 }
 

@@ -20,10 +20,10 @@ from convert.mla.format import AUX_FILES
 from convert.options import ConvertOptions, as_path
 from convert.plan import ConversionPlan, make_plan, resolve_spec
 from convert.sizes import parse_size
-from convert.targets import Build, check_options, target
+from convert.targets import TARGETS, Build, check_options, target
 from convert.targets.mla import MLAStateDict
 from convert.transform import LayerInfo
-from convert.verify import memory_run, plan_memory_cap, verify, write_report
+from convert.verify import export_memory_cap, memory_run, plan_memory_cap, verify, write_report
 
 
 @dataclass
@@ -120,6 +120,8 @@ def gqa2mla(src, output=None, **options) -> ConversionResult:
         source = attention_view(stored, stored.config)  # Phi-3: q/k/v split out of qkv_proj
         if opts.max_memory is not None and opts.target == "mla":  # refused before calibration and writing
             plan_memory_cap(_exact_plan(source, opts), stored.config or {}, opts)
+        if opts.verify and TARGETS[opts.target].export:  # both whole models: refused before hours of converting
+            export_memory_cap(stored, opts)
         build = target(opts.target).build(source, opts)  # every refusal first, then calibration
         opts = build.options
         timings["plan_s"] = time.perf_counter() - start

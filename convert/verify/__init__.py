@@ -50,7 +50,15 @@ from convert.verify.run import VerifyRun
 from convert.verify.streamed import greedy_streamed
 from convert.verify.twin import twin_view
 
-__all__ = ["memory_run", "plan_memory_cap", "render_markdown", "verify", "verify_paths", "write_report"]
+__all__ = [
+    "export_memory_cap",
+    "memory_run",
+    "plan_memory_cap",
+    "render_markdown",
+    "verify",
+    "verify_paths",
+    "write_report",
+]
 
 
 def _sha256(path: Path) -> str:
@@ -271,13 +279,7 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
         limits = thresholds(coarsest(dtype, ckpt_dtype, torch.float32), opts.max_ppl_ratio)
         with timings("tokens"):
             ids, segments = _judged_ids(opts.text, orig, config, opts.tokens, True, limits)
-        needed = whole_model_memory_bytes(orig.total_bytes(), orig.dtype(orig.keys()[0]), dtype)
-        cap = memory_cap(opts.max_memory_bytes, orig.total_bytes(), needed, "verifying an export (both whole models)")
-        fits, why = _within(needed, device, cap)
-        if not fits:
-            raise ConvertError(
-                f"verifying an export loads both whole models, which do not fit ({why}); use --no-verify"
-            )
+        cap = _export_memory_cap(orig, dtype, opts)
         export = (conv.config or {}).get("convert_export", {})
         twin = twin_view(orig, config) if limits["noise_floor"] else None
         run = VerifyRun(orig, conv, config, device, dtype, twin, ckpt_dtype)
@@ -295,6 +297,23 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
     if section is not None:
         report["target"] = section
     return report
+
+
+def export_memory_cap(source, opts) -> MemoryCap:
+    """The memory cap of verifying an export of `source` (an open checkpoint), checked before converting:
+    refused (ConvertError, exit 2) where both whole models will not fit, as `_verify_export` would refuse
+    them after the conversion (the export in the source's dtype, as it is written by default)."""
+    return _export_memory_cap(source, opts.run_dtype(source.dtype(source.keys()[0])), opts)
+
+
+def _export_memory_cap(orig, dtype: torch.dtype, opts) -> MemoryCap:
+    """The cap for both whole models of an export's verification in `dtype`; refused where they do not fit."""
+    needed = whole_model_memory_bytes(orig.total_bytes(), orig.dtype(orig.keys()[0]), dtype)
+    cap = memory_cap(opts.max_memory_bytes, orig.total_bytes(), needed, "verifying an export (both whole models)")
+    fits, why = _within(needed, opts.torch_device, cap)
+    if not fits:
+        raise ConvertError(f"verifying an export loads both whole models, which do not fit ({why}); use --no-verify")
+    return cap
 
 
 def _export_dtype(conv) -> torch.dtype:

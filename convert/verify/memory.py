@@ -173,6 +173,9 @@ def _stat(directory: Path) -> dict[str, int]:
 # checkpoint's size, plus this (or what streamed verification needs, if more). From the command line (0.38 GiB
 # of imports): SmolLM2 in float32 (538 MB) 1.48 GB, Qwen2.5-0.5B in float32 (1.98 GB) 2.94 GB.
 DEFAULT_CAP_EXTRA = 2**29  # 0.5 GiB
+# A default cap raised to what a run needs leaves this much more: the resident memory it was raised from moves
+# before the run checks its room (the 1.5B's llamacpp export was refused by a few bytes, after converting).
+RAISED_CAP_SLACK = 2**27  # 128 MiB
 _RUN_START: ContextVar[int | None] = ContextVar("run_start_rss", default=None)
 _CAP_ACCEPTED: ContextVar[bool] = ContextVar("cap_accepted", default=False)  # --max-memory checked up front
 PROC_STATUS = Path("/proc/self/status")
@@ -263,7 +266,7 @@ def memory_cap(cap: int | None, checkpoint_bytes: int, needed: int, what: str) -
     start = _RUN_START.get() or process_rss_bytes()
     default = start + checkpoint_bytes + DEFAULT_CAP_EXTRA
     if smallest > default:
-        return MemoryCap(smallest, False, f"default, raised to what {what} needs")
+        return MemoryCap(smallest + RAISED_CAP_SLACK, False, f"default, raised to what {what} needs")
     words = f"default: the {gib(start)} held at the start, the checkpoint's {gib(checkpoint_bytes)} and {gib(DEFAULT_CAP_EXTRA)}"
     return MemoryCap(default, False, words)
 

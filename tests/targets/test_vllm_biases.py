@@ -180,3 +180,40 @@ def test_the_api_judges_a_qwen2_export_and_reports_its_biases(tmp_path):
     export = json.loads((tmp_path / "out" / "config.json").read_text())["convert_export"]
     assert export["attention_biases"]["carried"] == ["q_proj", "k_proj", "v_proj"]
     assert "biases" in result.report["target"]["note"]
+
+
+def test_a_key_bias_rides_only_in_the_rotary_slots_that_turn(tmp_path):
+    """A key bias b adds q·R b to every score of a query: the same for every key where the export drops
+    the rotation (its position-free keys) or where vLLM's slot turns less than a radian over the span,
+    so it is left out there; carried on the inputs' nearly constant direction, each key would get its
+    own error (Qwen2.5-Coder-1.5B's key biases, norm ~1,200 in its slowest pairs, made its export's
+    perplexity ×3.4 million the original's). In a slot that turns it rides in `k_pe`. So a bias in the
+    slow pairs leaves every exported tensor as its bias-free twin's; one in the fastest pair moves only
+    that slot's rows of the rotary key."""
+    from convert.targets.vllm.bias import key_bias_slots
+    from convert.targets.vllm.geometry import KV_LORA_RANK
+    from convert.targets.vllm.rope import rope_frequencies
+
+    d, fold = 128, 2
+    slots = key_bias_slots(rope_frequencies(tiny_qwen2(2, d, "k").config, d)[1], fold, 1024)
+    assert slots.any() and not slots.all()  # θ = 10⁴: slots 0-24 turn, 25-31 do not
+    gen = torch.Generator().manual_seed(3)
+    for biased_slots, name in ((~slots, "slow"), (torch.arange(32) == 0, "fastest")):
+        model = tiny_qwen2(2, d, "k")
+        with torch.no_grad():
+            for layer in model.model.layers:
+                bias = layer.self_attn.k_proj.bias.view(2, d)  # (G, d): pair j is dims j and j + d/2
+                bias.zero_()
+                for slot in biased_slots.nonzero().flatten().tolist():
+                    for pair in (fold * slot, fold * slot + 1):
+                        bias[:, [pair, pair + d // 2]] = 20.0 * torch.randn(2, 2, generator=gen)
+        stats = calibrated_stats(model, tmp_path / name, tokens=CALIB_TOKENS)
+        tensors, twin_tensors = (exported_model(m, stats)[1] for m in (model, without_biases(model, "k")))
+        moved = [n for n in tensors if not torch.equal(tensors[n], twin_tensors[n])]
+        if name == "slow":
+            assert moved == [], moved
+        else:
+            assert sorted(moved) == [f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight" for i in range(LAYERS)]
+            for n in moved:  # slot 0's interleaved rows (512, 513) of the rotary key, nothing else
+                rows = (tensors[n] != twin_tensors[n]).any(1).nonzero().flatten().tolist()
+                assert rows and set(rows) <= {KV_LORA_RANK, KV_LORA_RANK + 1}, rows

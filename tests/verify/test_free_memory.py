@@ -181,3 +181,33 @@ def test_smollm2_default_cap_streams_and_generates_from_one_model(smollm2, smoll
         assert decide(22 * GiB, 4 * GiB) == (True, True)
         assert decide(4 * GiB, 64 * GiB) == (False, True)
         assert decide(3 * GiB // 2, 64 * GiB) == (False, False)
+
+
+def test_a_raised_default_cap_still_holds_what_it_was_raised_for(monkeypatch):
+    """The default cap, raised to what a run needs, is not refused when the process's resident memory
+    has grown a little by the time the run checks its room (Qwen2.5-Coder-1.5B's llamacpp export was
+    refused so, by a few bytes, after it had converted)."""
+
+    rss = [2**30]  # 1 GiB when the cap is decided
+    monkeypatch.setattr(memory, "process_rss_bytes", lambda: rss[0])
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 64 * 2**30)
+    needed = 16 * 2**30
+    cap = memory.memory_cap(None, 3 * 2**30, needed, "verifying an export (both whole models)")
+    assert not cap.explicit and "raised" in cap.why
+    rss[0] += 2**20  # 1 MiB more at the check
+    room, words = cap.room(torch.device("cpu"))
+    assert room >= needed, words
+
+
+def test_an_export_that_cannot_be_verified_is_refused_before_converting(tiny_llama_dir, tmp_path, monkeypatch):
+    """Verifying an export loads both whole models; where they cannot fit, `gqa2mla` says so (exit 2)
+    before converting anything, not after (the 1.5B's llamacpp export was refused after 48 minutes)."""
+    import convert.api
+
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: FREE_MARGIN_MIN + 1)
+    monkeypatch.setattr(convert.api, "_write", lambda *args: pytest.fail("converted before refusing"))
+    with pytest.raises(ConvertError, match="both whole models, which do not fit"):
+        gqa2mla(tiny_llama_dir, tmp_path / "out", target="transformers", progress=False)
+    assert not (tmp_path / "out").exists()
+    monkeypatch.undo()
+    assert gqa2mla(tiny_llama_dir, tmp_path / "out", target="transformers", progress=False).passed

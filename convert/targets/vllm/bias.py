@@ -9,6 +9,10 @@ from convert.compress.calibrate import LayerStats
 from convert.compress.weights import ridge
 from convert.transform import LayerWeights
 
+#: A key bias's share in a rotary slot is carried only where vLLM turns that slot by at least this many
+#: radians over the span the position-free terms are fitted for (`key_bias_slots`).
+KEY_BIAS_ANGLE = 1.0
+
 
 @dataclass(frozen=True)
 class BiasCarrier:
@@ -20,9 +24,13 @@ class BiasCarrier:
     rides on whatever the inputs hold nearly constant. What it leaves out is the same share of every
     bias of the layer, 1 − μᵀ M⁻¹ μ. Where each goes:
     - a query bias: into W^Q, so into both the position-free query and `q_pe`;
-    - a key bias: into W^K before the rotary mixture is taken, so its share in the 64 rotary dims
-      rotates in `k_pe` and the rest rides with the position-free keys in the latent, meeting the
-      same fitted stand-in as the keys' content (measured: this beats dropping that share);
+    - a key bias: only its share in the rotary slots that turn (`key_bias_slots`), into `k_pe`.
+      A key bias b adds q·R b to every score of a query; where the export drops the rotation (the
+      position-free keys) or the slot turns slowly, that is the same for every key, so leaving it
+      out changes no attention weight, while carrying it gives each key its own error
+      (1 − aᵀx)·q·b. Qwen2.5's key biases (norm ~1,200 in the 1.5B's first layer, in its slowest
+      pairs) made that error larger than the scores: carried whole, the export's perplexity was
+      ×3.4 million the original's (`bench/every_path.py`);
     - a value bias: into W^V. The source adds Σα·b = b after attention; the export reproduces it
       through the latent, each value's error averaged by attention;
     - an `o_proj` bias: into W^O, on the attention's outputs (their moments gathered by
@@ -37,6 +45,13 @@ class BiasCarrier:
         if bias is None:
             return weight
         return weight.double() + torch.outer(bias.double(), self.direction)
+
+
+def key_bias_slots(rotary_freq: torch.Tensor, fold: int, span: int) -> torch.Tensor:
+    """(32,) bool: the rotary slots whose share of a key bias is carried, those vLLM turns by at least
+    `KEY_BIAS_ANGLE` radians over `span` tokens. rotary_freq (d/2,): the rate vLLM turns each source
+    pair's rotary key by (`rope_frequencies`), slot s = pair s·fold."""
+    return rotary_freq[::fold] * span >= KEY_BIAS_ANGLE
 
 
 def bias_carrier(layer_stats) -> BiasCarrier:
@@ -134,7 +149,8 @@ def bias_summary(figures: list[dict]) -> dict | None:
     projections = [p for p in "qkvo" if p in figures[0]]
     summary = {
         "carried": [p + "_proj" for p in projections],
-        "where": "in the projection weights, on the calibration inputs' constant (least squares)",
+        "where": "in the projection weights, on the calibration inputs' constant (least squares); a key bias only "
+        "in the rotary slots that turn (elsewhere it adds the same to every score of a query)",
         "left_out_share": [f.get("left_out", 0.0) for f in figures],
         "output_error": {p + "_proj": [f[p] for f in figures] for p in projections},
     }

@@ -11,7 +11,7 @@ from convert.arch import AttentionSpec
 from convert.hf import hf_config
 from convert.source import StateDictSource, check_layer, read_layer
 from convert.targets.deepseek import as_dtype, check_exportable, deepseek_config_fields, export_spec, pass_through_names
-from convert.targets.vllm.bias import bias_summary, carried_biases
+from convert.targets.vllm.bias import bias_summary, carried_biases, key_bias_slots
 from convert.targets.vllm.calibration import SequentialLatents, position_free_stand_in
 from convert.targets.vllm.geometry import (
     KV_LORA_RANK,
@@ -171,7 +171,8 @@ def _export_tensors(plan: _ExportPlan, choices: ExportChoices):
         scale = s if name == "model.embed_tokens.weight" or name.endswith("mlp.down_proj.weight") else None
         yield name, _cast(plan.state_dict[name], dtype, scale)
     yield "lm_head.weight", _cast(plan.state_dict[plan.head or "model.embed_tokens.weight"], dtype)
-    inv_freq = rope_frequencies(plan.hf_src, spec.head_dim)[0]
+    inv_freq, rotary_freq = rope_frequencies(plan.hf_src, spec.head_dim)  # (d/2,) each
+    bias_slots = key_bias_slots(rotary_freq, fold(spec.head_dim), choices.span)  # (32,)
     retained, fitted, compressed, carried = [], [], [], []
     for layer in range(spec.n_layers):
         weights = read_layer(plan.source, spec, layer)
@@ -183,13 +184,15 @@ def _export_tensors(plan: _ExportPlan, choices: ExportChoices):
         fitted.append(terms is not None)
         inputs = sequential.stats(layer) if sequential is not None else None
         latent = LatentFit(choices.rank, layer_stats, inputs, choices.shrinkage)
-        tensors, squeezed = attention_tensors(weights, spec, u, plan.q_scale, s, terms, latent, carrier)
+        tensors, squeezed = attention_tensors(weights, spec, u, plan.q_scale, s, terms, latent, carrier, bias_slots)
         compressed.append(squeezed)
         if sequential is not None:
             tensors = sequential.advance(layer, tensors, plan.result, s, refine=squeezed)
         for name, tensor in tensors.items():
             yield spec.prefix(layer) + name, tensor.to(dtype).contiguous()
     plan.result["convert_export"] = _export_record(plan, choices, retained, fitted, compressed, carried)
+    if carried and "k" in carried[0]:  # the rotary slots a key bias rides in (`key_bias_slots`)
+        plan.result["convert_export"]["attention_biases"]["key_bias_rotary_slots"] = int(bias_slots.sum())
 
 
 def _export_record(plan: _ExportPlan, choices: ExportChoices, retained, fitted, compressed, carried) -> dict:

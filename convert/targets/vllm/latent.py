@@ -76,6 +76,7 @@ def attention_tensors(
     stand_in: torch.Tensor | None = None,
     latent: LatentFit = LatentFit(),
     carrier: BiasCarrier | None = None,
+    key_bias_slots: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], bool]:
     """One layer's DeepseekV3Attention tensors (float64), by name relative to `self_attn.`, and
     whether its latent is compressed (`latent_factor`).
@@ -86,15 +87,21 @@ def attention_tensors(
     its rotary query (`convert.targets.vllm.nope_fit`); default the terms unrotated, nothing added.
     latent: how the latent is factored (`latent_factor`); of the 512 dims those it does not use
     are zero but the norm's constant rows (`NORM_ROWS`). carrier: how the q/k/v biases ride in the
-    weights (`convert.targets.vllm.bias`); required with biases."""
+    weights (`convert.targets.vllm.bias`); required with biases. key_bias_slots (32,) bool: the rotary
+    slots a key bias is carried in (`convert.targets.vllm.bias.key_bias_slots`; default none)."""
     G, d, H = spec.n_kv_heads, spec.head_dim, spec.n_heads
     hidden = w.q.shape[1]
     groups = group_of_head(H, G, spec.head_map)  # (H,)
     if carrier is None and any(b is not None for b in (w.q_bias, w.k_bias, w.v_bias)):
         raise ValueError("q/k/v biases need a BiasCarrier (calibration statistics) to be carried")
     q = carrier.carry(w.q, w.q_bias).reshape(H, d, hidden) if carrier else w.q.double().reshape(H, d, hidden)
-    key = carrier.carry(w.k, w.k_bias) if carrier else w.k
-    k0, remainder = rotary_key_weights(key, spec, u)  # (64, D), (G·d, D)
+    k0, remainder = rotary_key_weights(w.k, spec, u)  # (64, D), (G·d, D)
+    if carrier is not None and w.k_bias is not None:  # the bias's position-free share is left out (BiasCarrier)
+        slots = key_bias_slots if key_bias_slots is not None else torch.zeros(ROPE_DIM // 2, dtype=torch.bool)
+        carried = rotary_key_weights(carrier.carry(w.k, w.k_bias), spec, u)[0]
+        k0 = k0.clone()
+        k0[: ROPE_DIM // 2][slots] = carried[: ROPE_DIM // 2][slots]  # first halves of the slots that turn
+        k0[ROPE_DIM // 2 :][slots] = carried[ROPE_DIM // 2 :][slots]  # second halves
     value = carrier.carry(w.v, w.v_bias) if carrier else w.v
 
     q_nope, q_pe = _queries(q, u, spec, stand_in)  # (H, d, D), (H, 64, D)

@@ -1,0 +1,111 @@
+"""Where a vllm (DeepSeek-V3) export departs from its source, layer by layer: the relative error of each
+decoder layer's attention output and hidden state, the export's divided by its residual scale.
+
+The source is a real model cut to its first `--layers` decoder layers (real weights and vocabulary; a
+perplexity of so few layers says nothing, their outputs do), exported by `convert gqa2mla --target vllm
+--no-verify` in a child process, both run by stock transformers in float32 on the first 256 tokens of the
+held-out code text. `--zero-biases q,k,v` zeroes those attention biases in the cut first (source and
+export alike): how much of the error is the biases' and how much the rest of the export's.
+
+    python bench/export_layers.py --model qwen15b --layers 2
+    python bench/export_layers.py --model qwen15b --layers 2 --zero-biases q,k,v
+    python bench/export_layers.py --model qwen15b --convert-args "--calib-tokens 2048 --fisher-tokens 1024"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import _common
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+MODELS = {  # the fixtures' real models, as published
+    "qwen15b": lambda realdata: realdata.qwen25_coder_dir(),
+    "smollm2-bf16": lambda realdata: realdata.smollm2_cast_dir("bfloat16"),
+}
+
+
+def cut(src: Path, out: Path, layers: int, zero_biases: str) -> None:
+    """`src` with only its first `layers` decoder layers, the biases of the projections in `zero_biases` zero."""
+    out.mkdir(parents=True)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:layers]
+    kept = {}
+    for file in sorted(src.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                if ".layers." in name and int(name.split(".layers.")[1].split(".")[0]) >= layers:
+                    continue
+                tensor = f.get_tensor(name)
+                kept[name] = tensor.zero_() if name.endswith(tuple(f"{p}_proj.bias" for p in zero_biases)) else tensor
+    save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for extra in src.iterdir():
+        if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json",):
+            shutil.copy(extra, out / extra.name)
+
+
+def layer_outputs(directory: Path, ids: torch.Tensor) -> dict:
+    """{("attention" | "layer", i): output (1, L, D)} of each decoder layer of the model in `directory`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    outputs, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        store = lambda key: lambda _m, _a, out: outputs.__setitem__(key, (out[0] if isinstance(out, tuple) else out))
+        hooks.append(layer.self_attn.register_forward_hook(store(("attention", i))))
+        hooks.append(layer.register_forward_hook(store(("layer", i))))
+    with torch.no_grad():
+        model(ids)
+    for hook in hooks:
+        hook.remove()
+    return outputs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen15b")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--zero-biases", default="", help="comma-separated of q,k,v: zeroed in the cut")
+    p.add_argument(
+        "--convert-args", default="", help='more gqa2mla options, e.g. "--calib-tokens 2048 --fisher-tokens 1024"'
+    )
+    p.add_argument("--out", type=Path, default=None, help="default bench/results/export_layers_MODEL[_nobias].json")
+    args = p.parse_args()
+    import realdata
+    from transformers import AutoTokenizer
+
+    zero = [b for b in args.zero_biases.split(",") if b]
+    src = Path(MODELS[args.model](realdata))
+    ids = torch.tensor([AutoTokenizer.from_pretrained(src)(realdata.text_kind("code"))["input_ids"][:256]])
+    rows = []
+    with tempfile.TemporaryDirectory(dir=src.parent) as tmp:
+        source, export = Path(tmp) / "cut", Path(tmp) / "export"
+        cut(src, source, args.layers, zero)
+        command = [sys.executable, "-m", "convert", "gqa2mla", str(source), "-o", str(export), "--target", "vllm"]
+        subprocess.run([*command, "--no-verify", "-q", *args.convert_args.split()], check=True, cwd=_common.REPO)
+        scale = json.loads((export / "config.json").read_text())["convert_export"]["residual_scale"]
+        want, got = layer_outputs(source, ids), layer_outputs(export, ids)
+        for key in sorted(want, key=lambda k: (k[1], k[0])):
+            a, b = want[key].double(), got[key].double() / scale
+            rows.append({"what": key[0], "layer": key[1], "rel_error": float((a - b).norm() / a.norm())})
+            print(f"{args.model} layer {key[1]} {key[0]} rel_error {rows[-1]['rel_error']:.3f}", flush=True)
+    result = _common.header("export_layers", "cpu", {}) | {"model": args.model, "zero_biases": zero, "rows": rows}
+    result["convert_args"] = args.convert_args
+    name = f"export_layers_{args.model.replace('-', '_')}" + ("_nobias" if zero else "")
+    _common.write_json(args.out or _common.RESULTS / f"{name}.json", result)
+    print(_common.table(["layer", "output", "relative error"], [[r["layer"], r["what"], r["rel_error"]] for r in rows]))
+
+
+if __name__ == "__main__":
+    main()
