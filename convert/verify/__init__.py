@@ -301,9 +301,11 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
 
 def export_memory_cap(source, opts) -> MemoryCap:
     """The memory cap of verifying an export of `source` (an open checkpoint), checked before converting:
-    refused (ConvertError, exit 2) where both whole models will not fit, as `_verify_export` would refuse
-    them after the conversion (the export in the source's dtype, as it is written by default)."""
-    return _export_memory_cap(source, opts.run_dtype(source.dtype(source.keys()[0])), opts)
+    refused (ConvertError, exit 2) where both whole models will not fit even in the least the verification
+    can run in (float32, or --dtype), as `_verify_export` would refuse them after the conversion (an export
+    may be written in another dtype than the source's, which sets the run's: a lower bound refuses nothing
+    that check would accept)."""
+    return _export_memory_cap(source, opts.run_dtype(torch.bfloat16), opts)
 
 
 def _export_memory_cap(orig, dtype: torch.dtype, opts) -> MemoryCap:
