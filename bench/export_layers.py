@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,35 +23,7 @@ from pathlib import Path
 
 import _common
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-
-MODELS = {  # the fixtures' real models, as published
-    "qwen15b": lambda realdata: realdata.qwen25_coder_dir(),
-    "smollm2-bf16": lambda realdata: realdata.smollm2_cast_dir("bfloat16"),
-}
-
-
-def cut(src: Path, out: Path, layers: int, zero_biases: str) -> None:
-    """`src` with only its first `layers` decoder layers, the biases of the projections in `zero_biases` zero."""
-    out.mkdir(parents=True)
-    config = json.loads((src / "config.json").read_text())
-    config["num_hidden_layers"] = layers
-    if "layer_types" in config:
-        config["layer_types"] = config["layer_types"][:layers]
-    kept = {}
-    for file in sorted(src.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for name in f.keys():
-                if ".layers." in name and int(name.split(".layers.")[1].split(".")[0]) >= layers:
-                    continue
-                tensor = f.get_tensor(name)
-                kept[name] = tensor.zero_() if name.endswith(tuple(f"{p}_proj.bias" for p in zero_biases)) else tensor
-    save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    for extra in src.iterdir():
-        if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json",):
-            shutil.copy(extra, out / extra.name)
+from every_path import MODELS
 
 
 def layer_outputs(directory: Path, ids: torch.Tensor) -> dict:
@@ -85,13 +56,13 @@ def main() -> None:
     import realdata
     from transformers import AutoTokenizer
 
-    zero = [b for b in args.zero_biases.split(",") if b]
+    zero = "".join(args.zero_biases.split(","))
     src = Path(MODELS[args.model](realdata))
     ids = torch.tensor([AutoTokenizer.from_pretrained(src)(realdata.text_kind("code"))["input_ids"][:256]])
     rows = []
     with tempfile.TemporaryDirectory(dir=src.parent) as tmp:
         source, export = Path(tmp) / "cut", Path(tmp) / "export"
-        cut(src, source, args.layers, zero)
+        realdata.first_layers(src, source, args.layers, zero)
         command = [sys.executable, "-m", "convert", "gqa2mla", str(source), "-o", str(export), "--target", "vllm"]
         subprocess.run([*command, "--no-verify", "-q", *args.convert_args.split()], check=True, cwd=_common.REPO)
         scale = json.loads((export / "config.json").read_text())["convert_export"]["residual_scale"]
@@ -100,7 +71,7 @@ def main() -> None:
             a, b = want[key].double(), got[key].double() / scale
             rows.append({"what": key[0], "layer": key[1], "rel_error": float((a - b).norm() / a.norm())})
             print(f"{args.model} layer {key[1]} {key[0]} rel_error {rows[-1]['rel_error']:.3f}", flush=True)
-    result = _common.header("export_layers", "cpu", {}) | {"model": args.model, "zero_biases": zero, "rows": rows}
+    result = _common.header("export_layers", "cpu", {}) | {"model": args.model, "zero_biases": list(zero), "rows": rows}
     result["convert_args"] = args.convert_args
     name = f"export_layers_{args.model.replace('-', '_')}" + ("_nobias" if zero else "")
     _common.write_json(args.out or _common.RESULTS / f"{name}.json", result)

@@ -5,13 +5,10 @@ biases, a published Qwen2 config, a 152K vocabulary) in minutes rather than the 
 takes through every path (`python bench/every_path.py --model qwen15b`, docs/serving.md)."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from convert.cli import main
 
@@ -26,24 +23,8 @@ def qwen_cut(tmp_path_factory) -> Path:
     """The 1.5B's embeddings, first LAYERS decoder layers, final norm and output head, as published."""
     realdata = pytest.importorskip("realdata")
     src = Path(realdata.qwen25_coder_dir())
-    out = tmp_path_factory.mktemp("qwen25-coder") / "first-layers"
-    out.mkdir()
-    config = json.loads((src / "config.json").read_text())
-    assert "head_dim" not in config  # as Qwen2's published configs: the tool infers 1536 / 12 = 128
-    config["num_hidden_layers"] = LAYERS
-    config["layer_types"] = config.get("layer_types", ["full_attention"] * 28)[:LAYERS]
-    kept = {}
-    for file in sorted(src.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for name in f.keys():
-                if ".layers." not in name or int(name.split(".layers.")[1].split(".")[0]) < LAYERS:
-                    kept[name] = f.get_tensor(name)
-    save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    for extra in src.iterdir():
-        if extra.suffix != ".safetensors" and extra.name != "config.json" and extra.is_file():
-            shutil.copy(extra, out / extra.name)
-    return out
+    assert "head_dim" not in json.loads((src / "config.json").read_text())  # as Qwen2's published configs
+    return realdata.first_layers(src, tmp_path_factory.mktemp("qwen25-coder") / "first-layers", LAYERS)
 
 
 @pytest.fixture(scope="module")
