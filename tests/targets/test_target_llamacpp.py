@@ -52,6 +52,23 @@ def test_one_kv_head_is_exact_and_the_file_is_deepseek2(tmp_path):
     assert (got - want).abs().max() < 1e-3
 
 
+def test_head_dim_128_keeps_every_frequency_in_a_rotary_key_as_wide(tmp_path):
+    """deepseek2 reads its rotary width from the file: at head_dim 128 the key is 128 wide, each source pair
+    at its own frequency, so one key/value head is exact (vLLM's fixed 64 dims turn two pairs a slot, one at
+    its neighbour's frequency: lossy there, refused without a perplexity bound)."""
+    model = tiny_llama(1, head_dim=128)
+    result = converted(tmp_path, model)
+    assert result.passed and result.report["target"]["exact"]
+    keys = {f.name: f.contents() for f in gguf.GGUFReader(str(tmp_path / "out" / "model.gguf")).fields.values()}
+    assert keys["deepseek2.rope.dimension_count"] == 128 and keys["deepseek2.attention.kv_lora_rank"] == 128
+    with torch.no_grad():
+        want, got = model(ids()).logits, load(tmp_path / "out", "cpu", torch.float32)(ids()).logits
+    assert (got - want).abs().max() < 1e-3
+    model.save_pretrained(tmp_path / "src128")
+    with pytest.raises(ConvertError, match="64-dim rotary key"):
+        convert.gqa2mla(tmp_path / "src128", tmp_path / "vllm", target="vllm", progress=False)
+
+
 def test_the_gguf_is_the_only_weights_file_and_verify_reads_it(tmp_path):
     """No empty model.safetensors beside model.gguf (a loader would find it and build a model of no
     weights); `convert verify` checks the directory from its GGUF."""
@@ -328,15 +345,16 @@ def our_run(model, prompt: list[int], steps: int = 8) -> dict:
 
 @needs_engine
 @pytest.mark.parametrize("flash_attn", [False, True], ids=["plain", "flash-attn"])
-@pytest.mark.parametrize("n_kv_heads", [1, 3])
-def test_llama_cpp_computes_what_we_wrote(tmp_path, n_kv_heads, flash_attn):
+@pytest.mark.parametrize("n_kv_heads, head_dim", [(1, 64), (3, 64), (2, 128)])
+def test_llama_cpp_computes_what_we_wrote(tmp_path, n_kv_heads, head_dim, flash_attn):
     """F32: llama.cpp's prompt log-probs within 1e-3 of our reading of the same file, greedy identical
-    (one head: the original model itself; three, SmolLM2's shape: the lossy export's), with llama.cpp's
-    plain attention and with its flash attention (llama-cli's default, and the fast path for MLA)."""
+    (one head: the original model itself; three, SmolLM2's shape: the lossy export's; two of 128, the
+    Qwen2.5-1.5B's shape: a 128-dim rotary key), with llama.cpp's plain attention and with its flash
+    attention (llama-cli's default, and the fast path for MLA)."""
     text = tmp_path / "prose.txt"
     text.write_text(PROSE)
     lossy = {"calib": ids(64, 2), "text": text, "max_ppl_ratio": 2.0, "tokens": 64} if n_kv_heads > 1 else {}
-    converted(tmp_path, tiny_llama(n_kv_heads), **lossy)
+    converted(tmp_path, tiny_llama(n_kv_heads, head_dim), **lossy)
     prompt = ids(32, 5)[0].tolist()
     ours = our_run(load(tmp_path / "out", "cpu", torch.float32), prompt)
     theirs = engine_run(tmp_path / "out" / "model.gguf", prompt, flash_attn=flash_attn)

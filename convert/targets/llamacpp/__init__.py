@@ -1,6 +1,6 @@
 """Target `llamacpp`: one GGUF file (`model.gguf`, architecture `deepseek2`) that llama.cpp runs with MLA,
-built from the vllm target's DeepSeek-V3 construction (one shared 64-dim rotary key) with the latent at
-its used width, behind the target interface (`convert.targets.Target`). docs/design.md, "Deployment
+built from the vllm target's DeepSeek-V3 construction (one shared rotary key, head_dim wide at the full
+latent: `rotary_width`) with the latent at its used width, behind the target interface (`convert.targets.Target`). docs/design.md, "Deployment
 targets"; docs/serving.md says what is exact."""
 
 import json
@@ -74,7 +74,8 @@ def build(source, opts) -> Build:
     stored = view.dtype(spec.tensor(0, "q"))
     tensor_type = TENSOR_TYPES.get(opts.gguf_type) or dtype_name(stored if stored in CACHE_DTYPES else torch.float32)
     _check_tensor_type(opts, tensor_type, stored)
-    choices = export_choices(source, view, spec, export_config, opts, NAME, torch.float32, latent_rank(spec, opts))
+    rank, rope_dim = latent_rank(spec, opts), rotary_width(spec, opts)
+    choices = export_choices(source, view, spec, export_config, opts, NAME, torch.float32, rank, rope_dim)
     _, ds_config, tensors = stream_export(state, export_config, view, spec, choices)
     vocab = source_vocab(getattr(source, "root", None) or Path("."))
     written: dict = {}
@@ -129,11 +130,19 @@ def _check_tensor_type(opts, tensor_type: str, stored: torch.dtype) -> None:
         )
 
 
+def rotary_width(spec: AttentionSpec, opts) -> int:
+    """deepseek2's rotary key width (`n_rot`, read from the file): head_dim at the full latent, so that
+    every source pair turns at its own frequency (vLLM's fixed 64 dims turn a head_dim-128 source's
+    pairs two to a slot, one of them at its neighbour's frequency); vLLM's 64 under --kv-cache-ratio,
+    whose budget the rotary key shares with the latent."""
+    return spec.head_dim if opts.kv_cache_ratio is None else ROPE_DIM
+
+
 def latent_rank(spec: AttentionSpec, opts) -> int:
     """The latent dims --kv-cache-ratio leaves beside deepseek2's 64-dim rotary key: llama.cpp caches
     `kv_lora_rank + 64` values per token and layer, that share of the GQA cache's 2·G·d (all of
-    vLLM's usable latent, `LATENT_DIMS`, without the flag: the latent then at the width it needs),
-    rounded up to a multiple of --latent-multiple."""
+    vLLM's usable latent, `LATENT_DIMS`, without the flag: the latent then at the width it needs,
+    beside a head_dim-wide rotary key: `rotary_width`), rounded up to a multiple of --latent-multiple."""
     if opts.kv_cache_ratio is None:
         return LATENT_DIMS
     values = round(opts.kv_cache_ratio * 2 * spec.n_kv_heads * spec.head_dim)
@@ -210,7 +219,8 @@ def model(state: dict, config: dict, opts, dtype: torch.dtype, device):
     source = attention_view(StateDictSource(state, config), config)
     _check_family(config)
     export_config, view, spec = export_spec(state, config, NAME, opts)
-    choices = export_choices(source, view, spec, export_config, opts, NAME, torch.float32, latent_rank(spec, opts))
+    rank, rope_dim = latent_rank(spec, opts), rotary_width(spec, opts)
+    choices = export_choices(source, view, spec, export_config, opts, NAME, torch.float32, rank, rope_dim)
     _, ds_config, tensors = stream_export(state, export_config, view, spec, choices)
     out, vocab = dict(tensors), source_vocab(Path(tempfile.gettempdir()) / "no-tokenizer")
     with tempfile.TemporaryDirectory(prefix="convert-llamacpp-") as tmp:
@@ -274,7 +284,8 @@ def short_note(export: dict) -> str:
     why = []
     shared = export["n_kv_heads"] > 1 or export.get("frequency_fold", 1) > 1
     if shared or export.get("source_rope_type", "default") != "default":
-        why.append(f"one 64-dim rotary key shared by all {export['n_kv_heads']} key heads (the other rotary "
+        rope = export["head_dim"] // export.get("frequency_fold", 1)
+        why.append(f"one {rope}-dim rotary key shared by all {export['n_kv_heads']} key heads (the other rotary "
                    "mixtures position-free)")  # fmt: skip
     if export.get("attention_biases"):
         why.append("the attention biases carried in the weights")

@@ -13,7 +13,6 @@ import torch
 from convert.errors import ConvertError
 
 ARCH = "deepseek2"
-ROPE_DIM = 64
 KV_LORA_RANK = 512  # the vllm export's latent; llama.cpp gets its used dims only
 NORM_EPS_LOG2 = 40  # the vllm export's rms_norm_eps = 2^40
 TYPES = {
@@ -147,8 +146,9 @@ def write_gguf(path: Path, tensors: dict, config: dict, latent: int, tensor_type
 
 def _hparams(writer, config: dict, latent: int, eps: float, tensor_type: str) -> None:
     """deepseek2's keys (`llama_model_deepseek2::load_arch_hparams`): MLA with a plain query, a dense
-    SwiGLU MLP in every layer, one rotary key of ROPE_DIM dims with one frequency set."""
+    SwiGLU MLP in every layer, one rotary key of qk_rope_head_dim dims with one frequency set."""
     layers, nope, v = config["num_hidden_layers"], config["qk_nope_head_dim"], config["v_head_dim"]
+    rope = config["qk_rope_head_dim"]
     writer.add_name(config.get("convert_export", {}).get("source_model_type", "converted") + " (MLA)")
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -157,14 +157,14 @@ def _hparams(writer, config: dict, latent: int, eps: float, tensor_type: str) ->
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(1)  # MLA runs as MQA over the latent
     writer.add_layer_norm_rms_eps(eps)
-    writer.add_rope_dimension_count(ROPE_DIM)
+    writer.add_rope_dimension_count(rope)
     writer.add_rope_freq_base(float(config["rope_parameters"]["rope_theta"]))
     writer.add_leading_dense_block_count(layers)
     writer.add_q_lora_rank(0)
     writer.add_kv_lora_rank(latent)
-    writer.add_key_length(latent + ROPE_DIM)
+    writer.add_key_length(latent + rope)
     writer.add_value_length(latent)
-    writer.add_key_length_mla(nope + ROPE_DIM)
+    writer.add_key_length_mla(nope + rope)
     writer.add_value_length_mla(v)
     writer.add_expert_feed_forward_length(config["intermediate_size"])
     writer.add_expert_shared_count(0)
@@ -193,7 +193,8 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
     keys = {f.name: _field_value(f) for f in reader.fields.values() if not f.name.startswith("tokenizer.ggml.")}
     if keys.get("general.architecture") != ARCH:
         raise ConvertError(f"{path}: not a deepseek2 GGUF (architecture {keys.get('general.architecture')!r})")
-    H, nope = keys[f"{ARCH}.attention.head_count"], keys[f"{ARCH}.attention.key_length_mla"] - ROPE_DIM
+    H, rope = keys[f"{ARCH}.attention.head_count"], keys[f"{ARCH}.rope.dimension_count"]
+    nope = keys[f"{ARCH}.attention.key_length_mla"] - rope
     out = {}
     for t in reader.tensors:
         shape = tuple(int(n) for n in reversed(t.shape))

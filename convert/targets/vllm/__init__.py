@@ -16,7 +16,7 @@ from convert.targets.deepseek import check_deepseek, export_model, export_sizes,
 from convert.targets.vllm.bias import biased_projections
 from convert.targets.vllm.calibration import VLLM_CALIBRATION, export_statistics, latent_sequential
 from convert.targets.vllm.export import ExportChoices, stream_export, to_vllm_deepseek, vllm_export
-from convert.targets.vllm.geometry import LATENT_DIMS, needs_compression
+from convert.targets.vllm.geometry import LATENT_DIMS, ROPE_DIM, needs_compression
 from convert.targets.vllm.notes import NAME, report, short_note
 from convert.targets.vllm.rope import check_vllm_exportable, needs_calibration
 from convert.targets.vllm.runtime import match_vllm_norms
@@ -97,25 +97,34 @@ def _export(source, state_dict, opts):
 
 
 def export_choices(
-    source, view, spec: AttentionSpec, config: dict, opts, target: str, dtype=None, rank: int = LATENT_DIMS
+    source,
+    view,
+    spec: AttentionSpec,
+    config: dict,
+    opts,
+    target: str,
+    dtype=None,
+    rank: int = LATENT_DIMS,
+    rope_dim: int = ROPE_DIM,
 ) -> ExportChoices:
     """The export's choices (the vllm construction's, shared by the llamacpp target): vLLM's refusals,
     then, where the export is lossy (`needs_calibration`, a compressed latent) or --calib is given, its
     calibration on --calib (the shipped mix when not given, as a compression's), tensors in `dtype`
-    (None: the source's), the latent at most `rank` dims (compressed below the content's). A lossy
-    export is judged by its perplexity ratio: --max-ppl-ratio is needed."""
+    (None: the source's), the latent at most `rank` dims (compressed below the content's), one shared
+    rotary key of `rope_dim` dims. A lossy export is judged by its perplexity ratio: --max-ppl-ratio is
+    needed."""
     biased = biased_projections(spec, view)
-    calibrate = needs_calibration(spec, config, bool(biased))
-    compressed = needs_compression(spec, config["hidden_size"], rank)
-    check_vllm_exportable(config, spec, view, dtype or view.dtype(spec.tensor(0, "q")), True)
+    calibrate = needs_calibration(spec, config, bool(biased), rope_dim)
+    compressed = needs_compression(spec, config["hidden_size"], rank, rope_dim)
+    check_vllm_exportable(config, spec, view, dtype or view.dtype(spec.tensor(0, "q")), True, rope_dim)
     if (calibrate or compressed) and opts.verify and opts.max_ppl_ratio is None:
         raise ConvertError(
-            f"--target {target} is lossy for this model (one 64-dim rotary key shared by all heads, at one frequency "
+            f"--target {target} is lossy for this model (one {rope_dim}-dim rotary key shared by all heads, at one frequency "
             "set): verification judges it by the perplexity ratio on each kind of text (the shipped held-out text, "
             "and --text FILE when given), so pass --max-ppl-ratio R (e.g. 1.5), or --no-verify"
         )
     if opts.calib is None and not (calibrate or compressed):
-        return ExportChoices(dtype=dtype, rank=rank)  # exact: nothing to calibrate
+        return ExportChoices(dtype=dtype, rank=rank, rope_dim=rope_dim)  # exact: nothing to calibrate
     ids = calibration_ids(source, opts)
     stats = export_statistics(
         source,
@@ -128,10 +137,13 @@ def export_choices(
         output_bias="o" in biased,
         progress=opts.progress,
         fisher_tokens=opts.fisher_tokens,
+        rope_dim=rope_dim,
     )
     if not compressed:
-        return ExportChoices(stats=stats, dtype=dtype, rank=rank)
+        return ExportChoices(stats=stats, dtype=dtype, rank=rank, rope_dim=rope_dim)
     # each compressed layer fitted to its attention output, as the MLA layouts are (sized to the device)
     refinement = Refinement.sized(opts.refine_steps, opts.refine_queries)
     sequential = latent_sequential(source, config, ids, opts.calibration, refinement)
-    return ExportChoices(stats=stats, dtype=dtype, rank=rank, sequential=sequential, shrinkage=opts.shrinkage)
+    return ExportChoices(
+        stats=stats, dtype=dtype, rank=rank, sequential=sequential, shrinkage=opts.shrinkage, rope_dim=rope_dim
+    )

@@ -12,7 +12,7 @@ from convert.linalg.heads import group_of_head
 from convert.progress import progress_bar
 from convert.source import read_layer
 from convert.targets.vllm.bias import observers, output_observer
-from convert.targets.vllm.geometry import fold
+from convert.targets.vllm.geometry import ROPE_DIM, fold
 from convert.targets.vllm.nope_fit import (
     SAMPLES,
     attention_probabilities,
@@ -48,14 +48,15 @@ def export_statistics(
     output_bias: bool = False,
     progress: bool = False,
     fisher_tokens: int | None = None,
+    rope_dim: int = ROPE_DIM,
 ) -> list:
     """Per-layer statistics of `source` (a checkpoint) on the calibration token `ids` (1, N), what the
     export is calibrated with (`ExportChoices.stats`): the layers' input moments, with the fitted stand-in
     for the dropped rotations where the export is `lossy` (`needs_calibration`), the attention outputs'
     moments where `output_bias` (an o_proj bias is carried), and with `fisher` the Fisher rows that
     weigh a compressed latent in loss units, from the first `fisher_tokens` of `ids` (None: all). view: the
-    source's attention view (`resolve_vllm_spec`)."""
-    rotation_fit = rotation_fit_observer(view, spec, config) if lossy else None
+    source's attention view (`resolve_vllm_spec`); rope_dim: the export's rotary key width."""
+    rotation_fit = rotation_fit_observer(view, spec, config, rope_dim=rope_dim) if lossy else None
     observe = observers(rotation_fit, output_observer() if output_bias else None)
     bar = progress_bar("calibrating", "layer", progress)
     stats = compress.calibrate(source, config, ids, spec.n_layers, progress=bar, observe=observe)
@@ -106,20 +107,20 @@ def position_free_stand_in(
     return stand_in
 
 
-def rotation_fit_observer(source, spec: AttentionSpec, config, samples: int = SAMPLES):
+def rotation_fit_observer(source, spec: AttentionSpec, config, samples: int = SAMPLES, rope_dim: int = ROPE_DIM):
     """A `convert.compress.calibrate` observer that stores each layer's fitted stand-in for the
     dropped rotations (`convert.targets.vllm.nope_fit`) in its stats' `rotation_fit` (H, 2, d/2, 2):
     the layer's rotary directions from the moment just gathered, `samples` keys per query drawn
     from the original's attention probabilities (seeded by the layer index: the same every run).
-    source: the in-memory source of `resolve_vllm_spec`."""
+    source: the in-memory source of `resolve_vllm_spec`; rope_dim: the export's rotary key width."""
     H, G, d = spec.n_heads, spec.n_kv_heads, spec.head_dim
-    inv_freq, rotary_freq = rope_frequencies(hf_config(config), d)  # (d/2,) each: slot s turns at θ'_s
+    inv_freq, rotary_freq = rope_frequencies(hf_config(config), d, rope_dim)  # (d/2,) each: slot s turns at θ'_s
     groups = group_of_head(H, G, spec.head_map)  # (H,)
-    f = fold(d)
+    f = fold(d, rope_dim)
 
     def observe(layer: int, x: torch.Tensor, decoder, inputs, layer_stats) -> None:
         _, rotary, mask = inputs
-        u, _ = rotary_directions(read_layer(source, spec, layer), spec, layer_stats.moment)  # (32, G·f)
+        u, _ = rotary_directions(read_layer(source, spec, layer), spec, layer_stats.moment, rope_dim)  # (slots, G·f)
         base = rotary_coefficients(u, groups, G)  # (H, d/2)
         attention = decoder.self_attn
         generator = torch.Generator().manual_seed(layer)
@@ -128,7 +129,7 @@ def rotation_fit_observer(source, spec: AttentionSpec, config, samples: int = SA
             L = window.shape[1]
             q = attention.q_proj(window).view(L, H, d)  # pre-RoPE queries
             k = attention.k_proj(window).view(1, L, G, d)  # pre-RoPE keys
-            mixture = rotary_mixture(k, u)  # (1, L, 64): what k_pe holds
+            mixture = rotary_mixture(k, u)  # (1, L, rope_dim): what k_pe holds
             remainder = key_remainder(k, u, mixture)[0][:, groups]  # (L, H, d): each head's group's
             rotary_key = per_pair(mixture[0], f)  # (L, d): the rotary key each query pair meets
             probs = attention_probabilities(attention, window, rotary, None if mask is None else mask[:1])

@@ -47,7 +47,9 @@ class ExportChoices:
     most `LATENT_DIMS` (the rest zero but the norm's `NORM_ROWS`): below the content's, the latent
     is compressed. sequential: a `SequentialLatents` on the source and the calibration text: a
     compressed latent is then factored for the inputs the export's own layers give it (GPTQ's order).
-    shrinkage: --shrinkage, of a compressed latent's statistics (`LatentFit`).
+    shrinkage: --shrinkage, of a compressed latent's statistics (`LatentFit`). rope_dim: the shared rotary
+    key's width, vLLM's 64 (`ROPE_DIM`); llama.cpp reads it from the file, and at head_dim each source
+    pair keeps its own frequency (fold 1: only the key heads' mixture is lossy).
     """
 
     stats: list | None = None
@@ -57,6 +59,7 @@ class ExportChoices:
     rank: int = LATENT_DIMS
     sequential: "SequentialLatents | None" = None
     shrinkage: float = 0.0
+    rope_dim: int = ROPE_DIM
 
 
 def to_vllm_deepseek(
@@ -87,7 +90,7 @@ def vllm_export(state_dict, config, choices: ExportChoices = ExportChoices()):
     """
     config, source, spec = resolve_vllm_spec(state_dict, config)
     dtype = as_dtype(choices.dtype) or source.dtype(spec.tensor(0, "q"))
-    check_vllm_exportable(config, spec, source, dtype, choices.stats is not None)
+    check_vllm_exportable(config, spec, source, dtype, choices.stats is not None, choices.rope_dim)
     return stream_export(state_dict, config, source, spec, choices)
 
 
@@ -110,13 +113,13 @@ def stream_export(state_dict, config: dict, source: StateDictSource, spec: Atten
     for layer in range(spec.n_layers):
         check_layer(source, spec, layer)
 
-    geo = vllm_geometry(spec)
+    geo, rope_dim = vllm_geometry(spec, choices.rope_dim), choices.rope_dim
     q_scale = spec.softmax_scale * math.sqrt(geo["nope"] + geo["rope"])  # DeepSeek's scale is 1/sqrt(nope + rope)
     s = math.sqrt(NORM_EPS / hf_src.rms_norm_eps)
     attention = {
         "q_lora_rank": None,
         "kv_lora_rank": KV_LORA_RANK,
-        "qk_rope_head_dim": ROPE_DIM,
+        "qk_rope_head_dim": rope_dim,
         "qk_nope_head_dim": geo["nope"],
         "v_head_dim": geo["v"],
         "rope_parameters": export_rope_parameters(hf_src),
@@ -134,9 +137,9 @@ def stream_export(state_dict, config: dict, source: StateDictSource, spec: Atten
     for layer in range(spec.n_layers):
         prefix = spec.prefix(layer)
         layout |= {
-            prefix + "q_proj.weight": ((H * (d + ROPE_DIM), hidden), dtype),
-            prefix + "kv_a_proj_with_mqa.weight": ((KV_LORA_RANK + ROPE_DIM, hidden), dtype),
-            prefix + "kv_a_proj_with_mqa.bias": ((KV_LORA_RANK + ROPE_DIM,), dtype),
+            prefix + "q_proj.weight": ((H * (d + rope_dim), hidden), dtype),
+            prefix + "kv_a_proj_with_mqa.weight": ((KV_LORA_RANK + rope_dim, hidden), dtype),
+            prefix + "kv_a_proj_with_mqa.bias": ((KV_LORA_RANK + rope_dim,), dtype),
             prefix + "kv_a_layernorm.weight": ((KV_LORA_RANK,), dtype),
             prefix + "kv_b_proj.weight": ((H * 2 * d, KV_LORA_RANK), dtype),
             prefix + "o_proj.weight": ((hidden, H * d), dtype),
@@ -171,19 +174,20 @@ def _export_tensors(plan: _ExportPlan, choices: ExportChoices):
         scale = s if name == "model.embed_tokens.weight" or name.endswith("mlp.down_proj.weight") else None
         yield name, _cast(plan.state_dict[name], dtype, scale)
     yield "lm_head.weight", _cast(plan.state_dict[plan.head or "model.embed_tokens.weight"], dtype)
-    inv_freq, rotary_freq = rope_frequencies(plan.hf_src, spec.head_dim)  # (d/2,) each
-    bias_slots = key_bias_slots(rotary_freq, fold(spec.head_dim), choices.span)  # (32,)
+    rope_dim = choices.rope_dim
+    inv_freq, rotary_freq = rope_frequencies(plan.hf_src, spec.head_dim, rope_dim)  # (d/2,) each
+    bias_slots = key_bias_slots(rotary_freq, fold(spec.head_dim, rope_dim), choices.span)  # (rope_dim/2,)
     retained, fitted, compressed, carried = [], [], [], []
     for layer in range(spec.n_layers):
         weights = read_layer(plan.source, spec, layer)
         layer_stats = stats[layer] if stats is not None else None
-        u, kept = rotary_directions(weights, spec, layer_stats.moment if layer_stats is not None else None)
+        u, kept = rotary_directions(weights, spec, layer_stats.moment if layer_stats is not None else None, rope_dim)
         carrier, weights = carried_biases(weights, layer_stats, carried)
         retained.append(kept)
         terms = position_free_stand_in(choices.stand_in, layer_stats, spec.n_heads, inv_freq, choices.span)
         fitted.append(terms is not None)
         inputs = sequential.stats(layer) if sequential is not None else None
-        latent = LatentFit(choices.rank, layer_stats, inputs, choices.shrinkage)
+        latent = LatentFit(choices.rank, layer_stats, inputs, choices.shrinkage, rope_dim)
         tensors, squeezed = attention_tensors(weights, spec, u, plan.q_scale, s, terms, latent, carrier, bias_slots)
         compressed.append(squeezed)
         if sequential is not None:
@@ -199,7 +203,8 @@ def _export_record(plan: _ExportPlan, choices: ExportChoices, retained, fitted, 
     """The export's `convert_export` record: how it was made and what it keeps, per layer."""
     spec, config, hf_src, stats, sequential = plan.spec, plan.config, plan.hf_src, choices.stats, choices.sequential
 
-    exact = not needs_calibration(spec, config, bool(carried)) and not any(compressed)
+    rope_dim = choices.rope_dim
+    exact = not needs_calibration(spec, config, bool(carried), rope_dim) and not any(compressed)
     return {
         "target": "vllm",
         "source_model_type": config.get("model_type"),
@@ -209,12 +214,12 @@ def _export_record(plan: _ExportPlan, choices: ExportChoices, retained, fitted, 
         "n_kv_heads": spec.n_kv_heads,
         "head_dim": spec.head_dim,
         "exact": exact,
-        "frequency_fold": fold(spec.head_dim),
+        "frequency_fold": fold(spec.head_dim, rope_dim),
         "rotary_key_energy_kept": retained,
         "position_free_terms": "exact" if exact else (choices.stand_in if all(fitted) else "nope"),
         "source_rope_type": source_rope_type(config),
-        "latent_content_dims": latent_content_rank(spec),
-        "latent_dims_used": min(choices.rank, latent_content_rank(spec), spec.hidden_size),
+        "latent_content_dims": latent_content_rank(spec, rope_dim),
+        "latent_dims_used": min(choices.rank, latent_content_rank(spec, rope_dim), spec.hidden_size),
         "latent_compressed": any(compressed),
         "latent_weighting": _weighting_name(stats) if any(compressed) else None,
         "latent_calibration": (
@@ -222,7 +227,7 @@ def _export_record(plan: _ExportPlan, choices: ExportChoices, retained, fitted, 
         ),
         # Adam steps per compressed layer fitting its attention output (convert.compress.refine)
         "latent_refine_steps": sequential.refine_steps if sequential is not None and any(compressed) else 0,
-        "kv_cache_dims_per_token_per_layer": cache_values_per_layer(),
+        "kv_cache_dims_per_token_per_layer": cache_values_per_layer(rope_dim),
         "gqa_cache_dims_per_token_per_layer": 2 * spec.n_kv_heads * spec.head_dim,
         # q/k/v biases carried in the weights (convert.targets.vllm.bias): per layer, the share of a bias
         # left out and each projection's relative output error from it

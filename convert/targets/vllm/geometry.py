@@ -21,28 +21,29 @@ assert NORM_ROWS * NORM_BIAS**2 / KV_LORA_RANK == NORM_EPS
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
-def cache_values_per_layer() -> int:
+def cache_values_per_layer(rope_dim: int = ROPE_DIM) -> int:
     """What vLLM caches per token per layer: the latent and the shared rotary key."""
-    return KV_LORA_RANK + ROPE_DIM
+    return KV_LORA_RANK + rope_dim
 
 
-def fold(head_dim: int) -> int:
-    """How many source frequency pairs share one of vLLM's 32 rotary slots: f = d / 64."""
-    return head_dim // ROPE_DIM
+def fold(head_dim: int, rope_dim: int = ROPE_DIM) -> int:
+    """How many source frequency pairs share one of the rotary key's rope_dim/2 slots: f = d / rope_dim
+    (vLLM's 64 dims: 32 slots; llama.cpp reads the width from the file: d dims, f = 1)."""
+    return head_dim // rope_dim
 
 
-def latent_content_rank(spec: AttentionSpec) -> int:
+def latent_content_rank(spec: AttentionSpec, rope_dim: int = ROPE_DIM) -> int:
     """Dims the latent needs to hold the position-free keys and the values exactly:
-    64·(G·f − 1) remainder dims (each slot's components less its rotary key) + G·d values."""
-    return ROPE_DIM * (spec.n_kv_heads * fold(spec.head_dim) - 1) + spec.n_kv_heads * spec.head_dim
+    rope_dim·(G·f − 1) remainder dims (each slot's components less its rotary key) + G·d values."""
+    return rope_dim * (spec.n_kv_heads * fold(spec.head_dim, rope_dim) - 1) + spec.n_kv_heads * spec.head_dim
 
 
-def needs_compression(spec: AttentionSpec, hidden: int, rank: int = LATENT_DIMS) -> bool:
+def needs_compression(spec: AttentionSpec, hidden: int, rank: int = LATENT_DIMS, rope_dim: int = ROPE_DIM) -> bool:
     """The position-free keys and the values need more than the latent's `rank` dims (7B+: G·d large)."""
-    return min(latent_content_rank(spec), hidden) > rank
+    return min(latent_content_rank(spec, rope_dim), hidden) > rank
 
 
-def vllm_geometry(spec: AttentionSpec) -> dict:
+def vllm_geometry(spec: AttentionSpec, rope_dim: int = ROPE_DIM) -> dict:
     """Head dims of the export: nope (each head's own position-free key: its group's remainder,
     d dims), rope, v."""
-    return {"nope": spec.head_dim, "rope": ROPE_DIM, "v": spec.head_dim}
+    return {"nope": spec.head_dim, "rope": rope_dim, "v": spec.head_dim}

@@ -12,8 +12,11 @@ from convert.targets.vllm.geometry import DTYPES, ROPE_DIM, fold
 from convert.targets.vllm.nope_fit import rope_inv_freq
 
 
-def check_vllm_exportable(config: dict, spec: AttentionSpec, source, dtype: torch.dtype, calibrated: bool) -> None:
-    """Refuse, with one line each, what vLLM's MLA would serve wrongly or cannot hold."""
+def check_vllm_exportable(
+    config: dict, spec: AttentionSpec, source, dtype: torch.dtype, calibrated: bool, rope_dim: int = ROPE_DIM
+) -> None:
+    """Refuse, with one line each, what vLLM's MLA would serve wrongly or cannot hold (with a
+    `rope_dim`-dim rotary key: vLLM's 64, or llama.cpp's head_dim)."""
     if dtype not in DTYPES:
         raise ConvertError(
             f"dtype {str(dtype).removeprefix('torch.')}: the vllm target scales the residual stream by "
@@ -31,23 +34,25 @@ def check_vllm_exportable(config: dict, spec: AttentionSpec, source, dtype: torc
             f"config.json rope_type={rope_type!r}: vLLM rewrites any non-default RoPE of DeepSeek-V3 to "
             "DeepSeek-YaRN, which holds only default and llama3 RoPE sources; use --target transformers or --target mla"
         )
-    if spec.head_dim % ROPE_DIM:
+    if spec.head_dim % rope_dim:
         raise ConvertError(
             f"head_dim {spec.head_dim}: the vllm target needs a multiple of {ROPE_DIM} (vLLM's 64 rotary dims hold "
             f"32 frequency pairs; d = 64·f folds f source pairs into each); use --target transformers or --target mla"
         )
-    if needs_calibration(spec, config) and not calibrated:
+    if needs_calibration(spec, config, rope_dim=rope_dim) and not calibrated:
         raise ConvertError(
             f"{spec.n_kv_heads} key/value head(s) of head_dim {spec.head_dim}: the vllm target chooses which RoPE "
             "directions to keep from calibration statistics; give --calib TEXT (a real text, not the --text one)"
         )
 
 
-def needs_calibration(spec: AttentionSpec, config: dict | None = None, biased: bool = False) -> bool:
-    """More than one key pair per rotary slot (G > 1 or d > 64), a source RoPE vLLM turns at
+def needs_calibration(
+    spec: AttentionSpec, config: dict | None = None, biased: bool = False, rope_dim: int = ROPE_DIM
+) -> bool:
+    """More than one key pair per rotary slot (G > 1 or d > rope_dim), a source RoPE vLLM turns at
     other frequencies (llama3), or q/k/v biases (`biased`): the export is lossy and calibrated."""
     rope_type = source_rope_type(config) if config is not None else "default"
-    return spec.n_kv_heads * fold(spec.head_dim) > 1 or rope_type != "default" or biased
+    return spec.n_kv_heads * fold(spec.head_dim, rope_dim) > 1 or rope_type != "default" or biased
 
 
 def source_rope_type(config: dict) -> str:
@@ -80,10 +85,10 @@ def export_rope_parameters(hf_src) -> dict:
     }
 
 
-def rope_frequencies(hf_src, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(θ_j the source turns pair j by, θ'_j vLLM turns pair j's rotary key by), each (d/2,)
+def rope_frequencies(hf_src, head_dim: int, rope_dim: int = ROPE_DIM) -> tuple[torch.Tensor, torch.Tensor]:
+    """(θ_j the source turns pair j by, θ'_j the export turns pair j's rotary key by), each (d/2,)
     float64, as transformers computes them (the source's rotary embedding; DeepseekV3's on the
-    export's `rope_parameters`, slot s = pair j // f)."""
+    export's `rope_parameters` with a `rope_dim`-dim rotary key, slot s = pair j // f)."""
 
     def init(config, dim: int) -> torch.Tensor:
         # dim given, not read from the config: published Qwen2/Mistral configs have no head_dim
@@ -94,9 +99,9 @@ def rope_frequencies(hf_src, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]
 
     source = init(hf_src, head_dim)  # (d/2,)
     export = DeepseekV3Config(
-        qk_rope_head_dim=ROPE_DIM,
+        qk_rope_head_dim=rope_dim,
         rope_parameters=export_rope_parameters(hf_src),
         max_position_embeddings=hf_src.max_position_embeddings,
     )
-    slots = init(export, ROPE_DIM)  # (32,)
-    return source, slots.repeat_interleave(fold(head_dim))
+    slots = init(export, rope_dim)  # (rope_dim/2,)
+    return source, slots.repeat_interleave(fold(head_dim, rope_dim))

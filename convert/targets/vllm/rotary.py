@@ -39,9 +39,9 @@ def rotary_direction(cov: torch.Tensor, weight: torch.Tensor, iterations: int = 
     return best
 
 
-def _slot_rows(spec: AttentionSpec, slot: int) -> tuple[list[int], list[int]]:
+def _slot_rows(spec: AttentionSpec, slot: int, f: int) -> tuple[list[int], list[int]]:
     """Rows of slot s's components c = g·f + i (group g, pair s·f + i) in W^K (G·d, D): (first, second)."""
-    d, f = spec.head_dim, fold(spec.head_dim)
+    d = spec.head_dim
     first, second = rotate_half_pairs(d)
     pairs = [slot * f + i for g in range(spec.n_kv_heads) for i in range(f)]
     offsets = [g * d for g in range(spec.n_kv_heads) for i in range(f)]
@@ -49,22 +49,22 @@ def _slot_rows(spec: AttentionSpec, slot: int) -> tuple[list[int], list[int]]:
 
 
 def rotary_directions(
-    w: LayerWeights, spec: AttentionSpec, moment: torch.Tensor | None
+    w: LayerWeights, spec: AttentionSpec, moment: torch.Tensor | None, rope_dim: int = ROPE_DIM
 ) -> tuple[torch.Tensor, float | None]:
-    """(u (32, G·f) float64 unit rows, the fraction of the key energy E‖k‖² they keep; None
+    """(u (rope_dim/2, G·f) float64 unit rows, the fraction of the key energy E‖k‖² they keep; None
     without a moment, when u is only a placeholder: the export refuses to go on uncalibrated).
 
-    Slot s of vLLM's 64 rotary dims turns at the source's θ_{s·f}; its G·f components are the
-    G key heads' pairs s·f + i (i < f, f = d/64: FreqFold for d = 128). Their covariance
+    Slot s of the `rope_dim` rotary dims (vLLM's 64) turns at the source's θ_{s·f}; its G·f components
+    are the G key heads' pairs s·f + i (i < f, f = d/rope_dim: FreqFold for d = 128 in vLLM). Their covariance
     C_s[c, c'] = tr(K_c M K_{c'}ᵀ) (K_c the component's 2 rows of W^K, M = E[x xᵀ]) and the
     query energy w_c of the heads that read c: `rotary_direction`. One component: u = 1, exact.
     """
     G, d, H = spec.n_kv_heads, spec.head_dim, spec.n_heads
-    f = fold(d)
+    f, slots = fold(d, rope_dim), rope_dim // 2
     if G * f == 1:
-        return torch.ones(ROPE_DIM // 2, 1, dtype=torch.float64), 1.0
+        return torch.ones(slots, 1, dtype=torch.float64), 1.0
     if moment is None:
-        return torch.eye(G * f, dtype=torch.float64)[:1].expand(ROPE_DIM // 2, -1).contiguous(), None
+        return torch.eye(G * f, dtype=torch.float64)[:1].expand(slots, -1).contiguous(), None
     k = w.k.double()  # (G·d, D)
     q = w.q.double().reshape(H, d, -1)  # (H, d, D)
     groups = group_of_head(H, G, spec.head_map)  # (H,)
@@ -73,10 +73,10 @@ def rotary_directions(
     pair_energy = torch.einsum("hpd,de,hpe->hp", q, M, q)  # (H, d): each query row's energy
     pair_energy = pair_energy[:, first] + pair_energy[:, second]  # (H, d/2)
     per_group = torch.zeros(G, d // 2, dtype=torch.float64).index_add_(0, groups, pair_energy)  # (G, d/2)
-    out = torch.empty(ROPE_DIM // 2, G * f, dtype=torch.float64)
+    out = torch.empty(slots, G * f, dtype=torch.float64)
     kept = total = 0.0
-    for slot in range(ROPE_DIM // 2):
-        rows_first, rows_second = _slot_rows(spec, slot)
+    for slot in range(slots):
+        rows_first, rows_second = _slot_rows(spec, slot, f)
         ks = torch.stack([k[rows_first], k[rows_second]], dim=1)  # (G·f, 2, D)
         cov = torch.einsum("cid,de,bie->cb", ks, M, ks)  # (G·f, G·f)
         weight = per_group[:, slot * f : (slot + 1) * f].reshape(G * f)  # (G·f,) component c = g·f + i
@@ -86,13 +86,13 @@ def rotary_directions(
 
 
 def rotary_key_weights(key: torch.Tensor, spec: AttentionSpec, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """key: W^K (G·d, D) (or a bias (G·d, 1)) -> (k0 (64, D): the rotary key's rows, first | second
+    """key: W^K (G·d, D) (or a bias (G·d, 1)) -> (k0 (rope_dim, D): the rotary key's rows, first | second
     halves; r (G·d, D): W^K less its share of the rotary key, in W^K's row layout) —
     `rotary_mixture`/`key_remainder` on the weights."""
     G, d = spec.n_kv_heads, spec.head_dim
     hidden = key.shape[1]
     k = key.double().T.reshape(1, hidden, G, d)  # the weight's columns as (1, D, G, d) "keys"
-    mixture = rotary_mixture(k, u)  # (1, D, 64)
-    k0 = mixture[0].T  # (64, D)
+    mixture = rotary_mixture(k, u)  # (1, D, rope_dim)
+    k0 = mixture[0].T  # (rope_dim, D)
     r = key_remainder(k, u, mixture)[0].reshape(hidden, G * d).T  # (G·d, D)
     return k0, r
