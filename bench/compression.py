@@ -1,5 +1,6 @@
 """Perplexity vs KV-cache size of compressed (rank-reduced) conversions of SmolLM2-135M
-(or, with --model gemma3, of Gemma 3 270M: q/k norms, factored layout only), one-shot and
+(or, with --model gemma3, of Gemma 3 270M: q/k norms, factored layout only; with --model qwen15b, of
+Qwen2.5-Coder-1.5B: calibrated on the package's default mix, judged on code first), one-shot and
 after a fixed short healing budget.
 
 Calibrates (and heals) on one Austen novel and judges on another that no choice was tuned
@@ -20,6 +21,7 @@ calibration novel) and judged again. Rows are saved as they are measured.
     python bench/compression.py --render              # table and plot from the saved JSON only
     python bench/compression.py --model gemma3        # the second family (results/compression_gemma3.json)
     python bench/compression.py --model gemma3 --shares 0.5 --out /tmp/g.json --merge   # one share into its table
+    python bench/compression.py --model qwen15b --shares 0.5 --layouts factored --heal-steps 0 --out /tmp/q.json --merge
 
 prints `share 0.25 ppl_ratio 1.234` for every row (and `healed_ppl_ratio` when healed).
 A full run (and `--render`) writes the perplexity-vs-cache plot
@@ -51,13 +53,26 @@ MODELS = {
     # q/k norms: compressed after the norm, in the factored layout and from calibration statistics only;
     # the vllm export refuses them (DeepSeek-V3's attention has no q/k norm)
     "gemma3": (realdata.gemma3_dir, "Gemma 3 270M", "factored", "fisher", "compression_gemma3.json"),
+    # bfloat16 as published, loaded in float32; a code model: calibrated on the package's mixed default
+    # (no --calib) and judged first on held-out code, then on every other kind of text
+    "qwen15b": (
+        realdata.qwen25_coder_dir,
+        "Qwen2.5-Coder-1.5B",
+        "factored,absorbed",
+        "fisher",
+        "compression_qwen15b.json",
+    ),
 }
+
+#: A model's own default arguments, read before the command line's (which overrides them).
+MODEL_ARGS = {"qwen15b": ["--calib-shipped", "default", "--eval-kind", "code", "--eval-kinds", "all"]}
 
 #: The compression issue's one-shot goals (perplexity × the original's) per model, layout and cache
 #: share, judged on text no choice was tuned on.
 GOALS = {
     "smollm2": {"factored": {0.5: 1.05, 0.25: 1.25}, "absorbed": {0.5: 1.15}, "vllm": {0.25: 1.40}},
     "gemma3": {"factored": {0.25: 1.25}},
+    "qwen15b": {"factored": {0.5: 1.10}},  # the 1.5B issue's goal, on code
 }
 
 #: The layouts' curves in the plot: (line style, goal marker).
@@ -82,6 +97,12 @@ def parse_args(argv=None):
         nargs="+",
         default=None,
         help="judge on these UTF-8 texts (each named by its file's stem) instead of --eval-book",
+    )
+    p.add_argument(
+        "--eval-kind",
+        choices=realdata.TEXT_KINDS,
+        default=None,
+        help="judge the table on the judging part of this kind of text instead of --eval-book (qwen15b: code)",
     )
     p.add_argument(
         "--eval-kinds",
@@ -164,7 +185,8 @@ def parse_args(argv=None):
         default=HERE.parent / "docs" / "compression.md",
         help="document whose compression-table block is rewritten (only by a full run or --render)",
     )
-    args = p.parse_args(argv)
+    model = p.parse_known_args(argv)[0].model
+    args = p.parse_args(MODEL_ARGS.get(model, []) + list(sys.argv[1:] if argv is None else argv))
     _, _, layouts, methods, results = MODELS[args.model]
     args.layouts, args.methods = args.layouts or layouts, args.methods or methods
     args.out = args.out or HERE / "results" / results
@@ -200,12 +222,17 @@ def _shipped_name(args) -> str | None:
 
 def judging_sets(args, tokenizer) -> dict[str, torch.Tensor]:
     """The texts each row is judged on, by name, the first the table's: --eval-text's files (by stem), else
-    --eval-book; then with --eval-kinds the judging part of each kind of text. Each (1, --eval-tokens)."""
-    texts = {p.stem: p for p in args.eval_text} if args.eval_text else {args.eval_book: None}
-    sets = {name: token_ids(tokenizer, name, args.eval_tokens, path) for name, path in texts.items()}
+    --eval-kind's judging part, else --eval-book; then with --eval-kinds the judging part of each kind of
+    text. Each (1, --eval-tokens)."""
     kinds = (
         [] if not args.eval_kinds else realdata.TEXT_KINDS if args.eval_kinds == "all" else args.eval_kinds.split(",")
     )
+    if args.eval_text:
+        sets = {p.stem: token_ids(tokenizer, p.stem, args.eval_tokens, p) for p in args.eval_text}
+    elif args.eval_kind:
+        sets, kinds = {}, [args.eval_kind, *(k for k in kinds if k != args.eval_kind)]
+    else:
+        sets = {args.eval_book: token_ids(tokenizer, args.eval_book, args.eval_tokens)}
     for kind in kinds:
         ids = tokenizer(realdata.text_kind(kind, "eval", tokenizer), add_special_tokens=False)["input_ids"]
         sets[kind] = torch.tensor(ids[: args.eval_tokens])[None]
