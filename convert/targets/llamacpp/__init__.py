@@ -74,9 +74,9 @@ def build(source, opts) -> Build:
     stored = view.dtype(spec.tensor(0, "q"))
     tensor_type = TENSOR_TYPES.get(opts.gguf_type) or dtype_name(stored if stored in CACHE_DTYPES else torch.float32)
     _check_tensor_type(opts, tensor_type, stored)
-    rank, rope_dim = latent_rank(spec, opts), rotary_width(spec, opts)
-    choices = export_choices(source, view, spec, export_config, opts, NAME, torch.float32, rank, rope_dim)
-    _, ds_config, tensors = stream_export(state, export_config, view, spec, choices)
+    _, ds_config, tensors = stream_export(
+        state, export_config, view, spec, _choices(source, view, spec, export_config, opts)
+    )
     vocab = source_vocab(getattr(source, "root", None) or Path("."))
     written: dict = {}
     counted: dict = {}  # the file's attention parameters, once written
@@ -130,6 +130,13 @@ def _check_tensor_type(opts, tensor_type: str, stored: torch.dtype) -> None:
         )
 
 
+def _choices(source, view, spec: AttentionSpec, export_config: dict, opts):
+    """The vllm construction's choices for this file (`export_choices`): float32, the latent `latent_rank`
+    wide beside a `rotary_width` key."""
+    rank, rope_dim = latent_rank(spec, opts), rotary_width(spec, opts)
+    return export_choices(source, view, spec, export_config, opts, NAME, torch.float32, rank, rope_dim)
+
+
 def rotary_width(spec: AttentionSpec, opts) -> int:
     """deepseek2's rotary key width (`n_rot`, read from the file): head_dim at the full latent, so that
     every source pair turns at its own frequency (vLLM's fixed 64 dims turn a head_dim-128 source's
@@ -145,14 +152,14 @@ def latent_rank(spec: AttentionSpec, opts) -> int:
     beside a head_dim-wide rotary key: `rotary_width`), rounded up to a multiple of --latent-multiple."""
     if opts.kv_cache_ratio is None:
         return LATENT_DIMS
-    values = round(opts.kv_cache_ratio * 2 * spec.n_kv_heads * spec.head_dim)
-    if values - ROPE_DIM < 1:
-        least = (ROPE_DIM + 1) / (2 * spec.n_kv_heads * spec.head_dim)
+    values, rope = round(opts.kv_cache_ratio * 2 * spec.n_kv_heads * spec.head_dim), rotary_width(spec, opts)
+    if values - rope < 1:
+        least = (rope + 1) / (2 * spec.n_kv_heads * spec.head_dim)
         raise ConvertError(
             f"--kv-cache-ratio {opts.kv_cache_ratio} keeps {values} values per token and layer, and llama.cpp's "
-            f"deepseek2 caches a {ROPE_DIM}-dim rotary key besides the latent; give at least {least:.3f}"
+            f"deepseek2 caches a {rope}-dim rotary key besides the latent; give at least {least:.3f}"
         )
-    return min(_round_up(values - ROPE_DIM, opts.latent_multiple), LATENT_DIMS)
+    return min(_round_up(values - rope, opts.latent_multiple), LATENT_DIMS)
 
 
 def latent_width(ds_config: dict, opts) -> int:
@@ -219,9 +226,9 @@ def model(state: dict, config: dict, opts, dtype: torch.dtype, device):
     source = attention_view(StateDictSource(state, config), config)
     _check_family(config)
     export_config, view, spec = export_spec(state, config, NAME, opts)
-    rank, rope_dim = latent_rank(spec, opts), rotary_width(spec, opts)
-    choices = export_choices(source, view, spec, export_config, opts, NAME, torch.float32, rank, rope_dim)
-    _, ds_config, tensors = stream_export(state, export_config, view, spec, choices)
+    _, ds_config, tensors = stream_export(
+        state, export_config, view, spec, _choices(source, view, spec, export_config, opts)
+    )
     out, vocab = dict(tensors), source_vocab(Path(tempfile.gettempdir()) / "no-tokenizer")
     with tempfile.TemporaryDirectory(prefix="convert-llamacpp-") as tmp:
         path = Path(tmp) / FILE

@@ -48,9 +48,9 @@ class BiasCarrier:
 
 
 def key_bias_slots(rotary_freq: torch.Tensor, fold: int, span: int) -> torch.Tensor:
-    """(32,) bool: the rotary slots whose share of a key bias is carried, those vLLM turns by at least
-    `KEY_BIAS_ANGLE` radians over `span` tokens. rotary_freq (d/2,): the rate vLLM turns each source
-    pair's rotary key by (`rope_frequencies`), slot s = pair s·fold."""
+    """(d/2/fold,) bool: the rotary slots whose share of a key bias is carried, those the engine turns by at
+    least `KEY_BIAS_ANGLE` radians over `span` tokens. rotary_freq (d/2,): the rate the engine turns each
+    source pair's rotary key by (`rope_frequencies`), slot s = pair s·fold."""
     return rotary_freq[::fold] * span >= KEY_BIAS_ANGLE
 
 

@@ -194,17 +194,21 @@ def _export_tensors(plan: _ExportPlan, choices: ExportChoices):
             tensors = sequential.advance(layer, tensors, plan.result, s, refine=squeezed)
         for name, tensor in tensors.items():
             yield spec.prefix(layer) + name, tensor.to(dtype).contiguous()
-    plan.result["convert_export"] = _export_record(plan, choices, retained, fitted, compressed, carried)
-    if carried and "k" in carried[0]:  # the rotary slots a key bias rides in (`key_bias_slots`)
-        plan.result["convert_export"]["attention_biases"]["key_bias_rotary_slots"] = int(bias_slots.sum())
+    plan.result["convert_export"] = _export_record(plan, choices, retained, fitted, compressed, carried, bias_slots)
 
 
-def _export_record(plan: _ExportPlan, choices: ExportChoices, retained, fitted, compressed, carried) -> dict:
-    """The export's `convert_export` record: how it was made and what it keeps, per layer."""
+def _export_record(
+    plan: _ExportPlan, choices: ExportChoices, retained, fitted, compressed, carried, bias_slots: torch.Tensor
+) -> dict:
+    """The export's `convert_export` record: how it was made and what it keeps, per layer; `bias_slots`:
+    the rotary slots a key bias rides in (`key_bias_slots`)."""
     spec, config, hf_src, stats, sequential = plan.spec, plan.config, plan.hf_src, choices.stats, choices.sequential
 
     rope_dim = choices.rope_dim
     exact = not needs_calibration(spec, config, bool(carried), rope_dim) and not any(compressed)
+    biases = bias_summary(carried)
+    if carried and "k" in carried[0]:
+        biases["key_bias_rotary_slots"] = int(bias_slots.sum())
     return {
         "target": "vllm",
         "source_model_type": config.get("model_type"),
@@ -231,7 +235,7 @@ def _export_record(plan: _ExportPlan, choices: ExportChoices, retained, fitted, 
         "gqa_cache_dims_per_token_per_layer": 2 * spec.n_kv_heads * spec.head_dim,
         # q/k/v biases carried in the weights (convert.targets.vllm.bias): per layer, the share of a bias
         # left out and each projection's relative output error from it
-        "attention_biases": bias_summary(carried),
+        "attention_biases": biases,
     }
 
 
