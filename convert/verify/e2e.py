@@ -9,6 +9,7 @@ from convert.io import Checkpoint
 from convert.mla.model import cache_bytes_per_token, load_mla_model
 from convert.options import dtype_name
 from convert.verify import streamed
+from convert.verify.memory import FIGURE_ROWS
 from convert.verify.run import VerifyRun
 from convert.verify.streamed import by_segment, segment_windows
 
@@ -40,6 +41,32 @@ def perplexity(model, ids: torch.Tensor, window: int = 1024) -> float:
     return float(torch.cat(nll).mean().exp())
 
 
+def window_figures(ref: torch.Tensor, got: torch.Tensor, ids: torch.Tensor) -> dict:
+    """One window's sums and maxima, `FIGURE_ROWS` positions at a time in float64.
+
+    ref, got: the two models' logits (L, V) in any dtype; ids (L,): the window's tokens. Returns
+    sq_diff, sq_ref, max_abs, kl_sum, kl_max, agree (floats) and nll_ref, nll_got ((L-1,) float64:
+    position i's loss on token i+1)."""
+    length = ref.shape[0]
+    figures = dict(sq_diff=0.0, sq_ref=0.0, max_abs=0.0, kl_sum=0.0, kl_max=0.0, agree=0.0)
+    nll_ref, nll_got = [], []
+    for row in range(0, length, FIGURE_ROWS):
+        r, g = ref[row : row + FIGURE_ROWS].double(), got[row : row + FIGURE_ROWS].double()  # (R, V)
+        logp_ref, logp_got = torch.log_softmax(r, -1), torch.log_softmax(g, -1)
+        kl = (logp_ref.exp() * (logp_ref - logp_got)).sum(-1)  # (R,)
+        diff = g - r
+        figures["sq_diff"] += float(diff.square().sum())
+        figures["sq_ref"] += float(r.square().sum())
+        figures["max_abs"] = max(figures["max_abs"], float(diff.abs().max()))
+        figures["kl_sum"] += float(kl.sum())
+        figures["kl_max"] = max(figures["kl_max"], float(kl.max()))
+        figures["agree"] += float((r.argmax(-1) == g.argmax(-1)).sum())
+        targets = ids[row + 1 : row + FIGURE_ROWS + 1, None]  # (≤R, 1): the next tokens, none after the last
+        nll_ref.append(-logp_ref[: targets.shape[0]].gather(-1, targets)[:, 0])
+        nll_got.append(-logp_got[: targets.shape[0]].gather(-1, targets)[:, 0])
+    return figures | {"nll_ref": torch.cat(nll_ref), "nll_got": torch.cat(nll_got)}
+
+
 def compare_models(ref_model, mla_model, ids: torch.Tensor, window: int = 1024, segments=None) -> dict:
     """Logit agreement and perplexity of two models on `ids` (1, N), window by window; with
     `segments` (`segment_windows`) each text's perplexities too, as `by_text`."""
@@ -49,19 +76,15 @@ def compare_models(ref_model, mla_model, ids: torch.Tensor, window: int = 1024, 
     with torch.no_grad():
         for start, stop, _ in spans:
             chunk = ids[:, start:stop]  # (1, ≤window)
-            ref, got = ref_model(chunk).logits.double(), mla_model(chunk).logits.double()  # (1, L, V)
-            logp_ref, logp_got = torch.log_softmax(ref[0], -1), torch.log_softmax(got[0], -1)
-            kl = (logp_ref.exp() * (logp_ref - logp_got)).sum(-1)  # (L,)
-            diff = got - ref
-            sq_diff, sq_ref = sq_diff + float(diff.square().sum()), sq_ref + float(ref.square().sum())
-            max_abs, kl_sum, kl_max = (
-                max(max_abs, float(diff.abs().max())),
-                kl_sum + float(kl.sum()),
-                max(kl_max, float(kl.max())),
-            )
-            agree += float((ref.argmax(-1) == got.argmax(-1)).sum())
-            nll_ref.append(_nll(ref, chunk))  # empty for a one-token window
-            nll_got.append(_nll(got, chunk))
+            ref = ref_model(chunk).logits[0]  # (L, V)
+            got = mla_model(chunk).logits[0]  # (L, V)
+            w = window_figures(ref, got, chunk[0])
+            del ref, got
+            sq_diff, sq_ref = sq_diff + w["sq_diff"], sq_ref + w["sq_ref"]
+            max_abs, kl_sum, kl_max = max(max_abs, w["max_abs"]), kl_sum + w["kl_sum"], max(kl_max, w["kl_max"])
+            agree += w["agree"]
+            nll_ref.append(w["nll_ref"])  # empty for a one-token window
+            nll_got.append(w["nll_got"])
     n, texts = ids.shape[-1], by_segment(segments, spans, nll_ref, nll_got)
     nll_ref, nll_got = torch.cat(nll_ref), torch.cat(nll_got)
     ppl_ref, ppl_got = float(nll_ref.mean().exp()), float(nll_got.mean().exp())

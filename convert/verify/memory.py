@@ -96,10 +96,18 @@ def streamed_verify_memory_bytes(
     return modules + states + inside + logits
 
 
+#: Positions of a window whose float64 figures `convert.verify.e2e.window_figures` computes at once: a
+#: 151,936-word vocabulary's (1,024 × V) float64 tensors were 1.2 GB each, several at a time (the 1.5B's
+#: healing ran out of memory in its after-figures, the optimizer's state still held).
+FIGURE_ROWS = 128
+
+
 def whole_model_activation_bytes(tokens: int, vocab: int, window: int = 1024) -> int:
-    """The (window × vocab) float64 tensors whole-model verification holds at once (the logits of
-    both models, their log-softmaxes, the difference, p): what `whole_model_memory_bytes` leaves out."""
-    return 6 * min(tokens, window) * vocab * 8
+    """The (window × vocab) tensors whole-model verification holds at once: what `whole_model_memory_bytes`
+    leaves out. Both models' logits (2 × 8 bytes a value at most) and, for `FIGURE_ROWS` positions at a
+    time, their float64 copies, log-softmaxes, difference and p (6 × 8 bytes)."""
+    rows = min(tokens, window)
+    return 2 * rows * vocab * 8 + 6 * min(rows, FIGURE_ROWS) * vocab * 8
 
 
 def available_memory_bytes(device: torch.device) -> int:
