@@ -45,7 +45,17 @@ MODELS = {"smollm2": realdata.smollm2_dir, "gemma3": realdata.gemma3_dir, "qwen1
 #: A model's own default arguments, read before the command line's (which overrides them).
 MODEL_ARGS = {
     "qwen15b": [
-        *("--layouts", "vllm", "--calib-shipped", "--eval-kinds", "all", "--eval-tokens", "2048"),
+        *(
+            "--layouts",
+            "vllm",
+            "--calib-shipped",
+            "--eval-kind",
+            "code",
+            "--eval-kinds",
+            "all",
+            "--eval-tokens",
+            "2048",
+        ),
         *("--heal-tokens", "65536", "--mixed-precision", "bf16"),  # bf16 autocast: the CPU's AMX
     ],
 }
@@ -76,10 +86,16 @@ def parse_args(argv=None):
         "reads it with no --calib), not on --calib-book",
     )
     p.add_argument(
+        "--eval-kind",
+        default=None,
+        help="judge first on the judging part of this kind of text (the healing report's before / after), "
+        "not on --eval-book",
+    )
+    p.add_argument(
         "--eval-kinds",
         default=None,
-        help="judge on the judging part of these kinds of text (comma-separated, or 'all', code first), each "
-        "--eval-tokens long, not on --eval-book",
+        help="also judge on the judging part of these kinds of text (comma-separated, or 'all'), each "
+        "--eval-tokens long",
     )
     p.add_argument("--mixed-precision", default="auto", help="convert heal --mixed-precision (auto: none on the CPU)")
     p.add_argument("--export", type=Path, default=None, help="vllm layout: heal this export of --model's checkpoint")
@@ -99,18 +115,13 @@ def parse_args(argv=None):
 
 
 def judging_sets(args, tokenizer) -> dict[str, torch.Tensor]:
-    """What each row is judged on, by name, (1, --eval-tokens) each: the judging part of each of
-    --eval-kinds (code first), else --eval-book."""
-    if not args.eval_kinds:
-        ids = tokenizer(realdata.austen_text(args.eval_book))["input_ids"][: args.eval_tokens]
-        return {args.eval_book: torch.tensor(ids)[None]}
-    kinds = realdata.TEXT_KINDS if args.eval_kinds == "all" else tuple(args.eval_kinds.split(","))
-    kinds = sorted(kinds, key=lambda kind: kind != "code")  # code first: the 1.5B's own kind
-    sets = {}
-    for kind in kinds:
-        ids = tokenizer(realdata.text_kind(kind, "eval", tokenizer), add_special_tokens=False)["input_ids"]
-        sets[kind] = torch.tensor(ids[: args.eval_tokens])[None]
-    return sets
+    """What each row is judged on, by name, (1, --eval-tokens) each: --eval-kind's judging part first and
+    then each of --eval-kinds', else --eval-book (bench/compression.py's `judging_sets`, without files)."""
+    from types import SimpleNamespace
+
+    from compression import judging_sets as compression_sets
+
+    return compression_sets(SimpleNamespace(**vars(args), eval_text=None), tokenizer)
 
 
 def judged(model, sets: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -137,6 +148,7 @@ def judged_apart(path: Path, args) -> dict[str, float]:
     1.5B's healed model loaded beside it ran out of 24 GiB."""
     command = [sys.executable, __file__, "--model", args.model, "--judge", str(path)]
     command += ["--eval-book", args.eval_book, "--eval-tokens", str(args.eval_tokens)]
+    command += ["--eval-kind", args.eval_kind] if args.eval_kind else []
     command += ["--eval-kinds", args.eval_kinds] if args.eval_kinds else []
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
