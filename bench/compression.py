@@ -688,7 +688,37 @@ def markdown(result: dict) -> str:
         + ", ".join(stated)
         + ") met or missed; —: not measured.",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _by_kind_table(rows))
+
+
+def _by_kind_table(rows: list[dict]) -> list[str]:
+    """Every kind of text each compression was judged on, one row per compression and share: the
+    worst first (its ratio and kind), then each kind, the kinds in the order of their worst ratio."""
+    judged = [r for r in rows if r.get("ppl_ratio_by_kind")]
+    if not judged:
+        return []
+    worst_of = {}
+    for r in judged:
+        for kind, ratio in r["ppl_ratio_by_kind"].items():
+            worst_of[kind] = max(worst_of.get(kind, 0.0), ratio)
+    kinds = sorted(worst_of, key=worst_of.get, reverse=True)
+    lines = [
+        "",
+        "| layout | method | share | worst | " + " | ".join(kinds) + " |",
+        "|---|---|---:|---:|" + "---:|" * len(kinds),
+    ]
+    for r in sorted(judged, key=lambda r: (list(_variants(judged)).index(_variant(r)), -r["ratio"])):
+        by_kind = r["ppl_ratio_by_kind"]
+        worst = max(by_kind, key=by_kind.get)
+        cells = [f"×{by_kind[k]:.3f}" if k in by_kind else "—" for k in kinds]
+        share = f"{r['ratio']:.1%}".replace(".0%", "%")
+        lines.append(
+            f"| {r['layout']} | {_label(*_variant(r)[1:])} | {share} | ×{by_kind[worst]:.3f} ({worst}) | "
+            + " | ".join(cells)
+            + " |"
+        )
+    lines += ["", "Each kind of held-out text (perplexity × the original's on that kind), the worst first."]
+    return lines
 
 
 if __name__ == "__main__":

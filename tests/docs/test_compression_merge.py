@@ -54,3 +54,15 @@ def test_merge_refuses_other_text_and_leaves_the_table(tmp_path, change):
     with pytest.raises(SystemExit, match="not merged"):
         B.merge(_result([_row(0.5, 1.07)], "second") | change, table)
     assert table.read_text() == before
+
+
+def test_the_table_shows_every_kind_of_text_the_worst_first():
+    """Issue 65: a table judged on several kinds shows each, and each row's worst, not only the first text."""
+    kinds = [{"code": 1.07, "technical": 1.12, "fiction": 1.06}, {"code": 1.31, "technical": 1.20, "fiction": 1.02}]
+    rows = [_row(0.5, 1.07, ppl_ratio_by_kind=kinds[0]), _row(0.25, 1.31, ppl_ratio_by_kind=kinds[1])]
+    text = B.markdown(_result(rows, "first"))
+
+    header = next(line for line in text.splitlines() if line.startswith("| layout | method | share | worst |"))
+    assert header.split("|")[5:8] == [" code ", " technical ", " fiction "]  # by their worst: 1.31, 1.20, 1.06
+    assert "| 50% | ×1.120 (technical) | ×1.070 | ×1.120 | ×1.060 |" in text
+    assert "| 25% | ×1.310 (code) | ×1.310 | ×1.200 | ×1.020 |" in text
