@@ -80,7 +80,8 @@ class HealResult:
 def heal_model(model, original, train_ids, eval_ids: torch.Tensor, opts: HealOptions, training_dir=None) -> dict:
     """Distil `model` toward `original` on `train_ids` (1, N) (or a `WindowsStreamed`) in place;
     the report's figures on `eval_ids` (1, N). See `convert.healing.train.train`."""
-    report, _ = train(model, original, train_ids, eval_ids, opts, training_dir)
+    report, accelerator = train(model, original, train_ids, eval_ids, opts, training_dir)
+    accelerator.free_memory()  # accelerate's references to the model and optimizer: theirs to drop
     return report
 
 
@@ -226,6 +227,7 @@ def _heal_directory(converted: Path, texts, original, eval_texts, output, traini
         accelerator.wait_for_everyone()
         if main:
             remove_checkpoints(state_dir, finished=True)  # the run is complete: its checkpoints are not needed
+        accelerator.free_memory()  # accelerate's references to the model and optimizer: theirs to drop
     return HealResult(model, report, final)
 
 

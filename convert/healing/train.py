@@ -139,6 +139,9 @@ def train(model, original, train, eval_ids: torch.Tensor, opts: HealOptions, sta
     if accelerator.log_with:
         accelerator.log({"held_out/ppl_ratio": after["ppl_ratio"], "held_out/kl": after["kl_mean"]}, step=opts.steps)
         accelerator.end_training()
+    # The model's own forward again: accelerate wrapped it in the run's autocast (bf16), which would
+    # otherwise stay on the healed module its caller gets back (logits 1% off its own weights').
+    accelerator.unwrap_model(prepared, keep_fp32_wrapper=False)
     texts = {"train_tokens": train_tokens, "eval_tokens": int(eval_ids.shape[-1])}
     held_out = {"before": before, "after": after}
     return _figures(opts, accelerator, run, steps, global_batch, check_ids, texts, held_out), accelerator

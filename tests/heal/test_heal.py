@@ -55,6 +55,19 @@ def test_heal_trains_only_the_mla_projections(healed):
     assert all(p.requires_grad for p in model.parameters())  # the flags are restored
 
 
+def test_a_model_healed_in_bf16_computes_as_its_weights_do_afterwards():
+    """accelerate runs the student's forward under bf16 autocast; the healed module handed back has
+    its own forward again (it kept the autocast: logits 1.3% off its own weights' in float32)."""
+    original = hf_model("llama")
+    model = convert.to_mla(original, layout="factored", kv_cache_ratio=0.5, method="svd")
+    convert.heal(model, _ids(2048, 1), original=original, **HEAL | {"steps": 2, "mixed_precision": "bf16"})
+    fresh = convert.to_mla(original, layout="factored", kv_cache_ratio=0.5, method="svd")
+    fresh.load_state_dict(model.state_dict())
+    ids = _ids(64, 3)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids).logits, fresh.eval()(ids).logits)
+
+
 def test_heal_needs_the_original_for_a_module():
     model = convert.to_mla(hf_model("llama"))
     with pytest.raises(convert.ConvertError, match="original="):
