@@ -81,7 +81,7 @@ def heal_model(model, original, train_ids, eval_ids: torch.Tensor, opts: HealOpt
     """Distil `model` toward `original` on `train_ids` (1, N) (or a `WindowsStreamed`) in place;
     the report's figures on `eval_ids` (1, N). See `convert.healing.train.train`."""
     report, accelerator = train(model, original, train_ids, eval_ids, opts, training_dir)
-    accelerator.free_memory()  # accelerate's references to the model and optimizer: theirs to drop
+    accelerator.free_memory()  # drop accelerate's references to the model and optimizer
     return report
 
 
@@ -227,7 +227,7 @@ def _heal_directory(converted: Path, texts, original, eval_texts, output, traini
         accelerator.wait_for_everyone()
         if main:
             remove_checkpoints(state_dir, finished=True)  # the run is complete: its checkpoints are not needed
-        accelerator.free_memory()  # accelerate's references to the model and optimizer: theirs to drop
+        accelerator.free_memory()  # drop accelerate's references to the model and optimizer
     return HealResult(model, report, final)
 
 

@@ -114,7 +114,8 @@ def test_design_doc_names_only_what_exists():
     paths = set(re.findall(rf"`((?:{'|'.join(roots)})/[\w/.-]*)`", text))
     missing = [p for p in sorted(paths) if not (REPO / p).exists()]
     files = set(re.findall(r"`([\w-]+\.py)`", text))
-    everywhere = {p.name for p in REPO.rglob("*.py")} | {p.name for p in REPO.rglob("*") if p.is_dir()}
+    tree = [p for root in roots for p in (REPO / root).rglob("*")]
+    everywhere = {p.name for p in tree if p.suffix == ".py" or p.is_dir()}
     missing += [f for f in sorted(files) if f not in everywhere]
     for dotted in sorted(set(re.findall(r"`(convert(?:\.\w+)+)`", text))):
         module, _, attribute = dotted.rpartition(".")
