@@ -707,7 +707,8 @@ def _by_kind_table(rows: list[dict]) -> list[str]:
         "| layout | method | share | worst | " + " | ".join(kinds) + " |",
         "|---|---|---:|---:|" + "---:|" * len(kinds),
     ]
-    for r in sorted(judged, key=lambda r: (list(_variants(judged)).index(_variant(r)), -r["ratio"])):
+    variants = list(_variants(judged))
+    for r in sorted(judged, key=lambda r: (variants.index(_variant(r)), -r["ratio"])):
         by_kind = r["ppl_ratio_by_kind"]
         worst = max(by_kind, key=by_kind.get)
         cells = [f"×{by_kind[k]:.3f}" if k in by_kind else "—" for k in kinds]

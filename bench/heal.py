@@ -135,16 +135,12 @@ def judged_directory(path: Path, sets: dict[str, torch.Tensor]) -> dict[str, flo
     """`judged` of a converted directory, opened as its target's runtime runs it (float32), then freed."""
     from convert.targets import load_output
 
-    model = load_output(path, torch.device("cpu"), torch.float32).eval()
-    try:
-        return judged(model, sets)
-    finally:
-        del model
+    return judged(load_output(path, torch.device("cpu"), torch.float32).eval(), sets)
 
 
 def judged_apart(path: Path, args) -> dict[str, float]:
-    """`judged_directory` in a fresh process (this script with --judge): a healing run's memory (both
-    models, the optimizer's state, accelerate's references) is not all returned to the system, and the
+    """`judged_directory` in a fresh process (this script with --judge): the memory a healing run used
+    (both models, the optimizer's state) is not all returned to the system by the allocator, and the
     1.5B's healed model loaded beside it ran out of 24 GiB."""
     command = [sys.executable, __file__, "--model", args.model, "--judge", str(path)]
     command += ["--eval-book", args.eval_book, "--eval-tokens", str(args.eval_tokens)]
