@@ -246,9 +246,27 @@ def header(name: str, device: str, quiet: dict) -> dict:
     }
 
 
+def result_file(bench: str, name: str | None = None) -> Path:
+    """Where `bench` writes by default: bench/results/<bench>/<name>, one folder per bench (name: <bench>.json)."""
+    return RESULTS / bench / (name or f"{bench}.json")
+
+
+def source_commit() -> str:
+    """The commit the benches run from, "+changes" when tracked files but results differ from it ("unknown": no git)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
+        code = [".", ":(exclude)bench/results"]  # a result written a moment ago is not a change to the code
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *code], cwd=REPO, capture_output=True).returncode
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("+changes" if dirty else "")
+
+
 def write_json(path: Path, data: dict) -> None:
+    """Write a bench's result, stamped with the commit it ran from (`source_commit`) unless it names one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    data = {**data, "commit": data.get("commit") or source_commit()}
     path.write_text(json.dumps(data, indent=2, default=_default) + "\n")
     print(f"\nwrote {path}")
 
@@ -294,7 +312,10 @@ def rotate(items: list, k: int) -> list:
 def add_common_args(parser, name: str, repeat: int = 5) -> None:
     parser.add_argument("--repeat", type=int, default=repeat, help=f"repeats (default {repeat})")
     parser.add_argument(
-        "--out", type=Path, default=RESULTS / f"{name}.json", help=f"JSON output (default bench/results/{name}.json)"
+        "--out",
+        type=Path,
+        default=result_file(name),
+        help=f"JSON output (default bench/results/{name}/{name}.json)",
     )
     parser.add_argument(
         "--max-busy",

@@ -5,7 +5,7 @@ biases and, for the q/k-norm families (Qwen3, OLMo 2, Gemma 3), random q/k norm 
 error of the converted model's logits (`convert.to_mla`) against the original's, on 2×64
 random tokens, and whether 24 greedy tokens are identical.
 
-    python bench/arch_exactness.py        # ~1 min; writes bench/results/arch_exactness.json
+    python bench/arch_exactness.py        # ~1 min; writes bench/results/arch_exactness/arch_exactness.json
 """
 
 import argparse
@@ -72,7 +72,7 @@ def measure(family: str, layout: str, dtype: torch.dtype) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "arch_exactness.json")
+    parser.add_argument("--out", type=Path, default=_common.result_file("arch_exactness"))
     args = parser.parse_args(argv)
     rows = [
         measure(family, layout, dtype)

@@ -10,7 +10,7 @@ first layer, for directions fitted on the whole vocabulary (its inputs are the n
 a fit sees every input it will meet), rows weighted by the calibration's token counts plus `smooth` of their
 mean.
 
-    python bench/bias_carrier.py --model qwen15b          # bench/results/bias_carrier_qwen15b.json
+    python bench/bias_carrier.py --model qwen15b          # bench/results/bias_carrier/bias_carrier_qwen15b.json
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--calib-tokens", type=int, default=16384)
     p.add_argument("--eval-tokens", type=int, default=4096)
-    p.add_argument("--out", type=Path, default=None, help="default bench/results/bias_carrier_MODEL.json")
+    p.add_argument("--out", type=Path, default=None, help="default bench/results/bias_carrier/bias_carrier_MODEL.json")
     args = p.parse_args()
     import realdata
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -115,7 +115,9 @@ def main() -> None:
         row(0, f"vocabulary, smooth {smooth:g}", fitted(moment, vocab_x.T @ weight / weight.sum(), 1e-6))
     result = _common.header("bias_carrier", "cpu", {}) | {"model": args.model, "calib_tokens": ids.shape[-1]}
     result |= {"eval_tokens": args.eval_tokens, "rows": rows}
-    _common.write_json(args.out or _common.RESULTS / f"bias_carrier_{args.model.replace('-', '_')}.json", result)
+    _common.write_json(
+        args.out or _common.result_file("bias_carrier", f"bias_carrier_{args.model.replace('-', '_')}.json"), result
+    )
     kinds = ["calibration", *held]
     print(
         _common.table(["layer", "fit", *kinds], [[r["layer"], r["fit"], *(f"{r[k]:.2e}" for k in kinds)] for r in rows])

@@ -39,7 +39,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--chunks", default="1024,128,0", help="loss chunks to compare (the window: whole-window loss; 0: streamed)"
     )
-    p.add_argument("--out", type=Path, default=None, help="default bench/results/calib_memory_MODEL.json")
+    p.add_argument("--out", type=Path, default=None, help="default bench/results/calib_memory/calib_memory_MODEL.json")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -95,6 +95,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.child is not None:
         return child(args)
+    from _common import source_commit  # bench/ is on the path of a script run from it
+
     rows = []
     for chunk in (int(c) for c in args.chunks.split(",")):
         command = [sys.executable, __file__, "--model", args.model, "--tokens", str(args.tokens)]
@@ -114,8 +116,10 @@ def main(argv=None):
         "rows": rows,
         "machine": {"python": platform.python_version()},
         "command": " ".join([sys.executable, *sys.argv]),
+        "commit": source_commit(),
     }
-    out = args.out or HERE / "results" / f"calib_memory_{args.model}.json"
+    out = args.out or HERE / "results" / "calib_memory" / f"calib_memory_{args.model}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
 
 

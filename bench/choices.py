@@ -7,7 +7,7 @@ size on disk, the KV cache per token (all layers, in the checkpoint's dtype, as 
 reports it) and the conversion's time. Rewrites the README's table between its `choices-table`
 markers (and `--layout`/`--target`'s help quotes these figures).
 
-    python bench/choices.py [--workdir DIR] [--out bench/results/choices.json] [--readme README.md]
+    python bench/choices.py [--workdir DIR] [--out bench/results/choices/choices.json] [--readme README.md]
 """
 
 from __future__ import annotations

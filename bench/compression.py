@@ -19,13 +19,13 @@ calibration novel) and judged again. Rows are saved as they are measured.
     python bench/compression.py --eval-kinds all --shares 0.25 --layouts factored --heal-steps 0   # every kind of text
     python bench/compression.py --calib-kind code --eval-kinds all ...   # calibrated on one kind, judged on each
     python bench/compression.py --render              # table and plot from the saved JSON only
-    python bench/compression.py --model gemma3        # the second family (results/compression_gemma3.json)
+    python bench/compression.py --model gemma3        # the second family (bench/results/compression/compression_gemma3.json)
     python bench/compression.py --model gemma3 --shares 0.5 --out /tmp/g.json --merge   # one share into its table
     python bench/compression.py --model qwen15b --shares 0.5 --layouts factored --heal-steps 0 --out /tmp/q.json --merge
 
 prints `share 0.25 ppl_ratio 1.234` for every row (and `healed_ppl_ratio` when healed).
 A full run (and `--render`) writes the perplexity-vs-cache plot
-(bench/results/compression.png) and rewrites docs/compression.md's table between its
+(bench/results/compression/compression.png) and rewrites docs/compression.md's table between its
 `compression-table` markers, so what the docs show is what was measured.
 """
 
@@ -166,7 +166,7 @@ def parse_args(argv=None):
         default=None,
         help="--refine-steps values to compare side by side (e.g. 0,50); default the option's own (sized to the device)",
     )
-    p.add_argument("--out", type=Path, default=None, help="default bench/results/compression[_MODEL].json")
+    p.add_argument("--out", type=Path, default=None, help="default bench/results/compression/compression[_MODEL].json")
     p.add_argument(
         "--merge",
         action="store_true",
@@ -189,7 +189,7 @@ def parse_args(argv=None):
     args = p.parse_args(MODEL_ARGS.get(model, []) + list(sys.argv[1:] if argv is None else argv))
     _, _, layouts, methods, results = MODELS[args.model]
     args.layouts, args.methods = args.layouts or layouts, args.methods or methods
-    args.out = args.out or HERE / "results" / results
+    args.out = args.out or HERE / "results" / "compression" / results
     return args
 
 
@@ -398,7 +398,7 @@ def main(argv=None):
     if args.render:
         render(json.loads(args.out.read_text()), args)
         return
-    from _common import machine  # bench/ is on the path of a script run from it
+    from _common import machine, source_commit  # bench/ is on the path of a script run from it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = MODELS[args.model][0]()
@@ -436,6 +436,7 @@ def main(argv=None):
         "rows": rows,
         "machine": machine(),  # the CPU's kernels round differently: a refined row can move by 0.01
         "command": " ".join([sys.executable, *sys.argv]),
+        "commit": source_commit(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     ratios = [float(r) for r in args.ratios.split(",")]
@@ -516,7 +517,8 @@ def merge(result: dict, into: Path) -> dict:
         raise SystemExit(f"{into}: healed on other text, or the original's perplexity differs; not merged")
     rows = table["rows"]
     for row in result["rows"]:
-        row = {"command": result["command"], "machine": result["machine"], "heal_steps": 0} | row  # healed: its own
+        made_by = {k: result[k] for k in ("command", "commit", "machine") if k in result}
+        row = made_by | {"heal_steps": 0} | row  # healed: its own
         same = [i for i, r in enumerate(rows) if (_variant(r), r["ratio"]) == (_variant(row), row["ratio"])]
         if same:
             rows[same[0]] = row

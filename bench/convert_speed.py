@@ -37,7 +37,7 @@ file-backed (mmap'd checkpoint, page-cache) RSS. Target: conversion peak below
 the checkpoint's size on disk.
 
     python bench/convert_speed.py [--repeat 5] [--cold] [--profile]
-    python bench/convert_speed.py --llama8b 4    # -> bench/results/convert_speed_llama8b.json
+    python bench/convert_speed.py --llama8b 4    # -> bench/results/convert_speed/convert_speed_llama8b.json
 """
 
 from __future__ import annotations
@@ -238,8 +238,8 @@ def main(argv=None) -> int:
         help="time a synthetic Llama-3-8B-shape checkpoint with N decoder layers instead (written to the scratch dir)",
     )
     args = parser.parse_args(argv)
-    if args.llama8b is not None and args.out == C.RESULTS / "convert_speed.json":
-        args.out = C.RESULTS / "convert_speed_llama8b.json"
+    if args.llama8b is not None and args.out == C.result_file("convert_speed"):
+        args.out = C.result_file("convert_speed", "convert_speed_llama8b.json")
 
     import torch
     from safetensors.torch import load_file, save_file

@@ -103,8 +103,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--prefill-chunk", type=int, default=0, help="tokens per prefill call (default 0: one call)")
     args = parser.parse_args(argv)
-    if args.model == "llama8b-shape" and args.out == C.RESULTS / "decode.json":
-        args.out = C.RESULTS / "decode_llama8b_shape.json"
+    if args.model == "llama8b-shape" and args.out == C.result_file("decode"):
+        args.out = C.result_file("decode", "decode_llama8b_shape.json")
     args.variants = args.variants or list(DEFAULT_VARIANTS[args.model])
 
     import torch

@@ -20,7 +20,7 @@ of text for a lossy one), the report's own stage timings (tensors copied, layers
 the run's wall time and peak memory. Which verdict each path should give is in EXPECTED: the line it
 prints per path ends with "as expected" or "UNEXPECTED".
 
-    python bench/every_path.py --model qwen15b --out bench/results/every_path_qwen15b.json
+    python bench/every_path.py --model qwen15b --out bench/results/every_path/every_path_qwen15b.json
     python bench/every_path.py --model smollm2-bf16 --paths absorbed,tampered   # minutes, not hours
 
 Run it alone: the wall times are the point (qwen15b, all paths: about an hour on 2 cores, the two exports most of it).
@@ -169,13 +169,13 @@ def main() -> None:
     p.add_argument("--eval-limit", type=int, default=8, help="documents per lm-eval task (0: all)")
     p.add_argument("--workdir", type=Path, default=None, help="where the outputs go (default: a temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the outputs in --workdir")
-    p.add_argument("--out", type=Path, default=None, help="default bench/results/every_path_MODEL.json")
+    p.add_argument("--out", type=Path, default=None, help="default bench/results/every_path/every_path_MODEL.json")
     args = p.parse_args()
     paths = args.paths.split(",")
     unknown = sorted(set(paths) - set(PATHS))
     if unknown:
         sys.exit(f"--paths: unknown {', '.join(unknown)}; choose from {', '.join(PATHS)}")
-    out = args.out or _common.RESULTS / f"every_path_{args.model.replace('-', '_')}.json"
+    out = args.out or _common.result_file("every_path", f"every_path_{args.model.replace('-', '_')}.json")
     quiet = _common.wait_quiet(max_load=0.5, max_wait_s=600)
     result = _common.header("every_path", "cpu", quiet) | {"model": args.model, "paths": {}}
     src = model_dir(args.model)

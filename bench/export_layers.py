@@ -62,7 +62,10 @@ def main() -> None:
         "--convert-args", default="", help='more gqa2mla options, e.g. "--calib-tokens 2048 --fisher-tokens 1024"'
     )
     p.add_argument(
-        "--out", type=Path, default=None, help="default bench/results/export_layers_MODEL[_llamacpp][_nobias].json"
+        "--out",
+        type=Path,
+        default=None,
+        help="default bench/results/export_layers/export_layers_MODEL[_llamacpp][_nobias].json",
     )
     args = p.parse_args()
     import realdata
@@ -89,7 +92,7 @@ def main() -> None:
     result["convert_args"] = args.convert_args
     name = f"export_layers_{args.model.replace('-', '_')}" + ("_llamacpp" if args.target == "llamacpp" else "")
     name += "_nobias" if zero else ""
-    _common.write_json(args.out or _common.RESULTS / f"{name}.json", result)
+    _common.write_json(args.out or _common.result_file("export_layers", f"{name}.json"), result)
     print(_common.table(["layer", "output", "relative error"], [[r["layer"], r["what"], r["rel_error"]] for r in rows]))
 
 

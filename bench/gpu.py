@@ -17,7 +17,7 @@ measured):
 
 `--small` runs the same code on a tiny Llama (2 layers) on the CPU in seconds (tests/conversion/test_gpu_bench.py).
 
-    python bench/gpu.py [--small] [--layers 32] [--batch 4] [--context 8192] [--steps 16] [--out-dir bench/results]
+    python bench/gpu.py [--small] [--layers 32] [--batch 4] [--context 8192] [--steps 16] [--out-dir bench/results/gpu]
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=None, help="decode context (default 8192; --small: 64)")
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps (default 16)")
     parser.add_argument("--tokens", type=int, default=None, help="verification tokens (default 256; --small: 64)")
-    parser.add_argument("--out-dir", type=Path, default=C.RESULTS, help="where gpu_<stage>.json go")
+    parser.add_argument("--out-dir", type=Path, default=C.RESULTS / "gpu", help="where gpu_<stage>.json go")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch for the checkpoints (default: tmp)")
     args = parser.parse_args(argv)
 

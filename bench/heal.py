@@ -9,7 +9,7 @@ tuned on the evaluation text.
 
     python bench/heal.py                                  # 25% cache, both layouts (~15 min on 2 cores)
     python bench/heal.py --ratios 0.5 --layouts factored --steps 100
-    python bench/heal.py --model gemma3 --layouts factored --out bench/results/heal_gemma3.json
+    python bench/heal.py --model gemma3 --layouts factored --out bench/results/heal/heal_gemma3.json
     python bench/heal.py --layouts vllm --workdir /tmp    # the --target vllm export, healed through its
                                                           # transformers twin (written, healed, written)
     python bench/heal.py --model qwen15b --workdir /tmp --steps 300 [--export DIR [--healed DIR]]
@@ -107,10 +107,12 @@ def parse_args(argv=None):
         "instead of healing again",
     )
     p.add_argument("--judge", type=Path, default=None, help=argparse.SUPPRESS)  # internal: judge_apart's child
-    p.add_argument("--out", type=Path, default=None, help="default: results/heal.json (qwen15b: heal_qwen15b.json)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="default: bench/results/heal/heal.json (qwen15b: heal_qwen15b.json)"
+    )
     model = p.parse_known_args(argv)[0].model
     args = p.parse_args(MODEL_ARGS.get(model, []) + list(sys.argv[1:] if argv is None else argv))
-    args.out = args.out or HERE / "results" / ("heal.json" if model == "smollm2" else f"heal_{model}.json")
+    args.out = args.out or HERE / "results" / "heal" / ("heal.json" if model == "smollm2" else f"heal_{model}.json")
     return args
 
 

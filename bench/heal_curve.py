@@ -5,7 +5,7 @@ the same run as `convert heal`: tests/heal/test_trainer.py).
 SmolLM2 converted at --ratio of the cache (factored, Fisher, sequential calibration and refinement
 on the first --calib-tokens of the first healing book, the package's defaults), healed on the
 concatenation of two novels, judged every --every steps on a third (windows of 1,024). Writes
-bench/results/heal_curve_<device>.json and a PNG beside it.
+bench/results/heal_curve/heal_curve_<device>.json and a PNG beside it.
 
     python bench/heal_curve.py                       # CPU: 1,000 steps of 256 tokens (~1 h on 2 cores)
     python bench/heal_curve.py --device cuda         # a GPU's sizes: 2,000 steps of 8 x 1,024 tokens
@@ -51,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=None, help="healing tokens read; default: the device's")
     p.add_argument("--lr", type=float, default=1e-3, help="relative, as convert heal --lr")
     p.add_argument("--check-every", type=int, default=None, help="default: the device's (HEAL_SIZES)")
-    p.add_argument("--out", type=Path, default=None, help="default bench/results/heal_curve_<device>.json")
+    p.add_argument("--out", type=Path, default=None, help="default bench/results/heal_curve/heal_curve_<device>.json")
     return p.parse_args(argv)
 
 
@@ -158,7 +158,7 @@ def main(argv=None):
         heal_s = time.perf_counter() - t1
     curve.judge(student, opts.steps)  # the weights kept at the end: the best checked
     name = f"heal_curve_{device.type}"
-    out = args.out or HERE / "results" / f"{name}.json"
+    out = args.out or _common.result_file("heal_curve", f"{name}.json")
     result = _common.header(name, device.type, {"quiet": None})
     result |= {
         "model": "smollm2",

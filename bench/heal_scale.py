@@ -185,7 +185,7 @@ def main(argv=None):
     device = "cuda" if args.shape and torch.cuda.is_available() else "cpu"
     result = _common.header("heal_scale", device, {"quiet": None}) | {"device": device}
     result |= processes_run(args) if args.processes else shape_run(args)
-    out = args.out or _common.RESULTS / ("heal_scale_gpu.json" if args.shape else "heal_scale.json")
+    out = args.out or _common.result_file("heal_scale", "heal_scale_gpu.json" if args.shape else "heal_scale.json")
     _common.write_json(out, result)
     print(f"wrote {out}")
 

@@ -64,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-tokens", type=int, default=1024, help="tokens of each kind of held-out text")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--calib-tokens", type=int, default=None, help="the conversions' (default: the package's)")
-    p.add_argument("--out", type=Path, default=None, help="JSON (default bench/results/llamacpp_<model>.json)")
+    p.add_argument("--out", type=Path, default=None, help="JSON (default bench/results/llamacpp/llamacpp_<model>.json)")
     return p.parse_args(argv)
 
 
@@ -206,7 +206,7 @@ def main(argv=None) -> None:
     types = args.types.split(",")
     contexts = [int(c) for c in args.contexts.split(",")]
     kv_contexts = [int(c) for c in args.kv_contexts.split(",") if c]
-    out = args.out or _common.RESULTS / f"llamacpp_{args.model}.json"
+    out = args.out or _common.result_file("llamacpp", f"llamacpp_{args.model}.json")
     work = _common.RESULTS / f"llamacpp-{args.model}.tmp"  # *.tmp: git-ignored, reused by a rerun
     work.mkdir(parents=True, exist_ok=True)
     quiet = _common.wait_quiet(1.0, 300)

@@ -80,7 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--repeat", type=int, default=5, help="samples per shape, the shapes interleaved")
     p.add_argument("--max-load", type=float, default=0.5, help="wait for a quiet machine (1-min load average)")
     p.add_argument("--wait", type=float, default=120.0, help="give up waiting after this many seconds")
-    p.add_argument("--out", type=Path, default=RESULTS / "llamacpp_kernel.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "llamacpp_kernel" / "llamacpp_kernel.json")
     return p.parse_args(argv)
 
 

@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     work = _common.RESULTS / f"llamacpp-{args.model}.tmp"
     work.mkdir(parents=True, exist_ok=True)
     share, multiple = llamacpp.parse_share(args.share)
-    out = args.out or _common.RESULTS / f"llamacpp_quant_{args.model}_{share:g}.json"
+    out = args.out or _common.result_file("llamacpp_quant", f"llamacpp_quant_{args.model}_{share:g}.json")
     quiet = _common.wait_quiet(1.0, 300)
     originals = llamacpp.originals(args.model, work, ["F16", "Q4_K_M"])
     made, _ = llamacpp.converted(args.model, work, share, ["F16"], None, multiple)

@@ -448,8 +448,8 @@ def main() -> None:
 
 
 def save(result: dict, cases: list[str]) -> None:
-    """Write `result` into bench/results/memory.json; the cases not run this time keep their last results."""
-    path = _common.RESULTS / "memory.json"
+    """Write `result` into bench/results/memory/memory.json; the cases not run this time keep their last results."""
+    path = _common.result_file("memory")
     if path.is_file():
         previous = json.loads(path.read_text())
         kept = ("smollm2", "qwen05b", "qwen15b", "llama8b", "llama8b_full", "llama8b_full_estimate")

@@ -3,7 +3,7 @@
 
 The `fast` examples (the shipped fixture) and then the `real` ones (SmolLM2 and the Austen novels),
 each kind in order in one scratch directory, exactly as tests/docs/test_readme.py runs them
-(fixtures/readme_examples.py). Writes bench/results/readme_examples.json (each example's code,
+(fixtures/readme_examples.py). Writes bench/results/readme_examples/readme_examples.json (each example's code,
 without its time line, and seconds) and, unless `--no-rewrite`, puts the measured times into the
 README, so what it says is what was measured.
 

@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     parser.add_argument("--head", default="HEAD")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("-m", dest="marker", default="not slow", help="pytest's -m expression")
-    parser.add_argument("--out", type=Path, default=C.RESULTS / "suite_time.json")
+    parser.add_argument("--out", type=Path, default=C.result_file("suite_time"))
     args = parser.parse_args(argv)
 
     revs = {
@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     C.write_json(
         args.out,
         {
+            "command": C.command_line(),
             "machine": C.machine(),
             "marker": args.marker,
             "revs": revs,

@@ -62,7 +62,7 @@ run; the models take turns in an order that rotates each repeat. The issue's goa
                                [--models NAME...] [--compile-models NAME...] [--threads N] [--keep-freed-memory] [--device auto|cpu|cuda]
                                [--out PATH]
 
-Writes bench/results/train_step_<device>.json (`--model tiny`: train_step_tiny_<device>.json).
+Writes bench/results/train_step/train_step_<device>.json (`--model tiny`: train_step_tiny_<device>.json).
 On 2 shared CPU cores (SmolLM2's two calibrations alone took 4-9 min there):
 
     python bench/train_step.py --batch 1 --window 128 --steps 4 --repeats 2 --compile-layers 4 --threads 1
@@ -184,7 +184,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--threads", type=int, help="torch CPU threads of the training and compile phases (default: torch's)"
     )
-    parser.add_argument("--out", type=Path, help="JSON output (default bench/results/train_step_<device>.json)")
+    parser.add_argument(
+        "--out", type=Path, help="JSON output (default bench/results/train_step/train_step_<device>.json)"
+    )
     parser.add_argument("--max-busy", type=float, default=0.15, help="quiet: CPU use over 5 s below this (0.15)")
     parser.add_argument("--max-load", type=float, default=1.0, help="recorded with the load average (default 1.0)")
     parser.add_argument("--wait", type=float, default=600.0, help="seconds to wait for a quiet machine (600)")
@@ -209,7 +211,7 @@ def main(argv=None) -> int:
         parser.error(str(err))
     cuda = device.type == "cuda"
     suffix = "tiny_" if args.model == "tiny" else ""
-    args.out = args.out or C.RESULTS / f"train_step_{suffix}{device.type}.json"
+    args.out = args.out or C.result_file("train_step", f"train_step_{suffix}{device.type}.json")
     dtype = torch.float32
 
     def sync():

@@ -89,7 +89,7 @@ def parse_args(argv=None):
         default=os.environ.get("CONVERT_VLLM_PYTHON")
         or str(Path(os.environ.get("CONVERT_VLLM_VENV", Path.home() / ".cache/convert-vllm-venv")) / "bin/python"),
     )
-    p.add_argument("--out", type=Path, default=_common.RESULTS / "vllm_capacity.json")
+    p.add_argument("--out", type=Path, default=_common.result_file("vllm_capacity"))
     return p.parse_args(argv)
 
 

@@ -42,7 +42,7 @@ parser.add_argument("--eval-text", type=Path, default=None, help="evaluation tex
 parser.add_argument("--shares", default="1,0.75,0.5,0.25", help="shares of the latent content kept")
 parser.add_argument("--refine-steps", default="0", help="attention-output refinement steps to compare (e.g. 0,50)")
 parser.add_argument("--variants", default="sequential,original,whitened", help="fisher sequential/original, whitened")
-parser.add_argument("--out", type=Path, default=_common.RESULTS / "vllm_latent_smollm2.json")
+parser.add_argument("--out", type=Path, default=_common.result_file("vllm_latent", "vllm_latent_smollm2.json"))
 args = parser.parse_args()
 
 torch.set_num_threads(2)

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
         default="default",
         help="comma-separated --refine-steps values, one export each ('default': the option left to the device)",
     )
-    p.add_argument("--out", default=str(_common.RESULTS / "vllm_scale_llama8b.json"))
+    p.add_argument("--out", default=str(_common.result_file("vllm_scale", "vllm_scale_llama8b.json")))
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(dir=args.workdir))
     runs = []

@@ -46,7 +46,7 @@ def parse_args(argv=None):
         or str(Path(os.environ.get("CONVERT_VLLM_VENV", Path.home() / ".cache/convert-vllm-venv")) / "bin/python"),
     )
     p.add_argument("--no-vllm", action="store_true", help="transformers figures only")
-    p.add_argument("--out", default=str(_common.RESULTS / "vllm_serve_smollm2.json"))
+    p.add_argument("--out", default=str(_common.result_file("vllm_target", "vllm_serve_smollm2.json")))
     return p.parse_args(argv)
 
 

@@ -62,7 +62,7 @@ for mode, span, samples in variants:
     results.append({"stand_in": mode, "span": span, "samples": samples, "ppl_ratio_dev": ppl(m) / p0})
     print(results[-1], flush=True)
 _common.write_json(
-    _common.RESULTS / "vllm_variants_smollm2.json",
+    _common.result_file("vllm_variants", "vllm_variants_smollm2.json"),
     {
         "command": _common.command_line(),
         "dev_book": "persuasion",

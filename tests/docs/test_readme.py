@@ -13,7 +13,7 @@ from convert.cli import EXIT_CODES
 from conftest import CONVERT_STDERR_LINE, REPO
 
 README = (REPO / "README.md").read_text()
-TIMINGS = REPO / "bench" / "results" / "readme_examples.json"
+TIMINGS = REPO / "bench" / "results" / "readme_examples" / "readme_examples.json"
 
 
 def _section(text: str, title: str) -> str:
