@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from convert.arch import ARCHS
+from convert.arch import ARCHS, geometry
 from convert.errors import ConvertError
 
 
@@ -135,8 +135,7 @@ def _split_qkv(source, arch, config: dict) -> dict[str, VirtualTensor]:
             f"config.json has no num_attention_heads, which splits a {arch.name} model's fused {arch.fused_qkv}; "
             "add the model's value"
         )
-    n_kv_heads = config.get("num_key_value_heads") or n_heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+    n_kv_heads, head_dim = geometry.n_kv_heads(config), geometry.head_dim(config)
     sizes = {arch.q: n_heads * head_dim, arch.k: n_kv_heads * head_dim, arch.v: n_kv_heads * head_dim}
     suffix = f".{arch.fused_qkv}.weight"
     virtual = {}

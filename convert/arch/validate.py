@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from convert.arch import geometry
 from convert.errors import ConvertError
 
 #: The largest integer a dimension or count may be: real models are far below it.
@@ -210,15 +211,6 @@ def check_config(config: dict, where: str = "config.json") -> None:
     _check_layer_types(config, where)
 
 
-def _head_dim(config: dict) -> int | None:
-    """The head dim transformers would use (None when the config cannot tell)."""
-    if config.get("head_dim") is not None:
-        return config["head_dim"]
-    if "hidden_size" in config and "num_attention_heads" in config:
-        return config["hidden_size"] // config["num_attention_heads"]
-    return None
-
-
 def check_rope(params: Any, field: str, config: dict, where: str) -> None:
     """`rope_parameters` / `rope_scaling`: an object with a known type and well-typed fields
     (or, transformers 5, one such object per layer type)."""
@@ -264,7 +256,7 @@ def _check_rope_consistency(params: dict, field: str, config: dict, where: str) 
             f"{where} {field}.high_freq_factor={high} is not above low_freq_factor={low}; "
             "high_freq_factor must be the larger (Llama 3 uses 4.0 and 1.0)"
         )
-    head_dim = _head_dim(config)
+    head_dim = geometry.head_dim_if_known(config)
     for key in ("short_factor", "long_factor"):
         if key in params and head_dim is not None and len(params[key]) != head_dim // 2:
             raise ConvertError(

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from convert.arch import geometry
 from convert.errors import ConvertError
 
 MAGIC = b"GGUF"
@@ -642,7 +643,7 @@ def _permuted_heads(header: GGUFHeader, family: Family, name: str, config: dict)
     if not family.permuted_qk or not (".attn_q." in name or ".attn_k." in name):
         return None
     heads = config["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    head_dim = geometry.head_dim(config)
     rows = header.tensors[name].shape[0]
     if rows != heads * head_dim or head_dim % 2:
         raise _refuse(header.path, f"tensor {name!r} has {rows} rows, which do not split into {heads} heads")

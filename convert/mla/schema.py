@@ -6,7 +6,7 @@ each refusal is a `ConvertError` (exit 2): one line naming the file, the field o
 
 from pathlib import Path
 
-from convert.arch import ARCHS, ArchSpec, AttentionSpec, tied_embeddings
+from convert.arch import ARCHS, ArchSpec, AttentionSpec, geometry, tied_embeddings
 from convert.arch.spec import count_layers
 from convert.arch.validate import check_config, check_field, positive, refuse, string
 from convert.errors import ConvertError
@@ -120,8 +120,7 @@ def _check_against_config(mla: MLASection, arch: ArchSpec, config: dict, where: 
 def _source_values(config: dict) -> list[tuple[str, str, int]]:
     """(mla field, config field, value) pairs that must agree, with transformers' defaults."""
     heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads, head_dim = geometry.n_kv_heads(config), geometry.head_dim(config)
     return [
         ("n_layers", "num_hidden_layers", config["num_hidden_layers"]),
         ("hidden_size", "hidden_size", config["hidden_size"]),

@@ -6,7 +6,7 @@ differs from the original by one more rounding of every attention weight, which 
 
 import torch
 
-from convert.arch import ARCHS
+from convert.arch import ARCHS, geometry
 from convert.layouts import TensorView, VirtualTensor, family
 
 #: The reparametrisation's factor: irrational, so s·w rounds like a fresh product (a power of two
@@ -61,8 +61,8 @@ def _geometry(config: dict) -> dict:
         "n_layers": config["num_hidden_layers"],
         "layer_prefix": arch.layer_prefixes[0],
         "n_heads": n_heads,
-        "n_kv_heads": config.get("num_key_value_heads") or n_heads,
-        "head_dim": config.get("head_dim") or config["hidden_size"] // n_heads,
+        "n_kv_heads": geometry.n_kv_heads(config),
+        "head_dim": geometry.head_dim(config),
     }
 
 
