@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from convert.errors import ConvertError, cli_words
-from convert.options import GROUPS, cli_fields, field_default, suggest
+from convert.options import GROUPS, cli_fields, field_default, long_flag, suggest
 
 _USAGE = ("2", "bad input or usage: one line naming the file/field and the fix; nothing written")
 _INTERRUPTED = ("130", "interrupted (Ctrl-C); a previous output is left intact")
@@ -106,7 +106,7 @@ def click_option(f):
     if meta["off_flag"]:  # a boolean that the flag switches off
         decls = [d for d in (meta["short"], meta["off_flag"]) if d]
         return click.option(*decls, name, is_flag=True, flag_value=not default, default=default, **common)
-    decls = [d for d in (meta["short"], meta["flag"] or "--" + name.replace("_", "-")) if d]
+    decls = [d for d in (meta["short"], long_flag(f)) if d]
     if isinstance(default, bool):
         return click.option(*decls, name, is_flag=True, default=default, **common)
     kind = click.Choice(meta["choices"], case_sensitive=False) if meta["choices"] else (meta["kind"] or type(default))

@@ -64,6 +64,7 @@ class VerifyOptions(FromKwargs):
         "Lossy conversions: FAIL when converted/original perplexity on --text exceeds this (e.g. 1.2).",
         group="verification",
         kind=float,
+        needs="calibrates",
     )
     max_memory: int | str | None = option(
         None,
@@ -158,12 +159,14 @@ class ConvertOptions(VerifyOptions):
         "Figures: SmolLM2-135M.",
         group="layout",
         choices=LAYOUTS,
+        needs="compresses",
     )
     latent: str = option(
         "split",
         "split: separate K and V latents; joint: one shared latent (keys without RoPE only).",
         group="layout",
         choices=LATENTS,
+        needs="compresses",
     )
     kv_cache_ratio: float | None = option(
         None,
@@ -172,6 +175,7 @@ class ConvertOptions(VerifyOptions):
         "--target llamacpp: the latent plus its 64-dim rotary key.",
         group="compression",
         kind=float,
+        needs="sized",
     )
     rank: int | None = option(
         None,
@@ -179,6 +183,7 @@ class ConvertOptions(VerifyOptions):
         "with the same needs.",
         group="compression",
         kind=int,
+        needs="compresses",
     )
     method: str | None = option(
         None,
@@ -187,6 +192,7 @@ class ConvertOptions(VerifyOptions):
         "time). Default: fisher (svd for a checkpoint no transformers model runs, e.g. the seed's).",
         group="compression",
         choices=METHODS,
+        needs="compresses",
     )
     calib: Path | list | torch.Tensor | None = option(
         None,
@@ -197,6 +203,7 @@ class ConvertOptions(VerifyOptions):
         group="compression",
         kind=Path,
         multiple=True,
+        needs="calibrates",
     )
     calib_tokens: int = option(
         16384,
@@ -216,6 +223,7 @@ class ConvertOptions(VerifyOptions):
         "(global needs --kv-cache-ratio). Default: global for fisher.",
         group="compression",
         choices=ALLOCATIONS,
+        needs="compresses",
     )
     calibration: str | None = option(
         None,
@@ -226,6 +234,7 @@ class ConvertOptions(VerifyOptions):
         "512 dims (7B+) is factored; default original (what measured best at 25% and 75%).",
         group="compression",
         choices=CALIBRATIONS,
+        needs="calibrates",
     )
     refine_steps: int | None = option(
         None,
@@ -244,6 +253,7 @@ class ConvertOptions(VerifyOptions):
         "of the window's 1,024; CUDA: all).",
         group="compression",
         kind=int,
+        needs="calibrates",
     )
     shrinkage: float = option(
         0.05,

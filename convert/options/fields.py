@@ -66,7 +66,9 @@ class Flag:
     flag: the long flag (default `--field-name`); off_flag: for a boolean whose CLI flag switches
     it off (`verify` <- `--no-verify`); kind: the click value type when it differs from the
     default's (Path, int, float, str); multiple: the flag may be repeated (the values as a tuple); cli:
-    False for an option of the Python API alone.
+    False for an option of the Python API alone; needs: what a target must do to take the option
+    ("compresses", "calibrates", "sized": a `convert.targets.TargetEntry` capability), the others
+    refusing it when it is given (`convert.targets.check_options`).
     """
 
     choices: tuple | None = None
@@ -76,6 +78,7 @@ class Flag:
     kind: type | None = None
     multiple: bool = False
     cli: bool = True
+    needs: str | None = None
 
 
 def option(default, help: str, *, group: str, **flag):
@@ -163,6 +166,11 @@ def cli_fields(cls) -> list:
     inherited = {f.name for base in cls.__mro__[1:] if hasattr(base, "__dataclass_fields__") for f in fields(base)}
     cli = [f for f in fields(cls) if f.metadata.get("cli", False)]
     return sorted(cli, key=lambda f: (rank[f.metadata["group"]], f.name in inherited))  # stable sort
+
+
+def long_flag(f) -> str:
+    """An options field's long flag: its declared `flag`, else `--field-name`."""
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
 
 
 def field_default(f):

@@ -8,7 +8,7 @@ from functools import cache
 
 from convert.errors import speak_python
 from convert.options.conversion import ConvertOptions
-from convert.options.fields import cli_fields, field_default
+from convert.options.fields import cli_fields, field_default, long_flag
 from convert.options.training import EvalOptions, HealOptions
 
 #: Flags that are not options fields: the commands' own paths (cli.py), by their API keyword.
@@ -32,7 +32,7 @@ def _keywords() -> dict[str, tuple[str, object, tuple]]:
             if meta["off_flag"]:
                 flag, entry = meta["off_flag"], (f.name, not default, ())
             else:
-                flag = meta["flag"] or "--" + f.name.replace("_", "-")
+                flag = long_flag(f)
                 entry = (f.name, True if isinstance(default, bool) else None, meta["choices"] or ())
             table[flag] = entry
             if meta["short"]:

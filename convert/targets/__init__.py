@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from convert.errors import ConvertError
+from convert.options.fields import cli_fields, field_default, long_flag
 
 
 @dataclass(frozen=True)
@@ -21,10 +22,16 @@ class TargetEntry:
 
     name: str
     module: str
-    compresses: bool  # takes --layout, --latent, --rank, --kv-cache-ratio, --method, --allocation
-    calibrates: bool  # takes --calib, --max-ppl-ratio, --calibration
+    compresses: bool  # takes the options declared needs="compresses" (--layout, --rank, --method...)
+    calibrates: bool  # takes those declared needs="calibrates" (--calib, --max-ppl-ratio...)
     export: bool  # writes another runtime's format, recorded in config.json's `convert_export`
-    sized: bool = False  # takes --kv-cache-ratio (the latent's width) without the other --target mla flags
+    sized: bool = False  # takes --kv-cache-ratio (needs="sized": the latent's width) without the others
+
+    def takes(self, need: str) -> bool:
+        """Whether the target takes an option that needs `need` (its `Flag.needs`)."""
+        if need == "sized":
+            return self.compresses or self.sized
+        return {"compresses": self.compresses, "calibrates": self.calibrates}[need]
 
     def implementation(self):
         """The module implementing the target's interface (imported on first use: it needs torch)."""
@@ -48,28 +55,14 @@ EXPORT_LATENT = 512
 
 def check_options(opts) -> None:
     """Refuse the flags `opts.target` would ignore (it writes one fixed layout, or takes no
-    calibration text); no torch needed, so the command line refuses them at once."""
+    calibration text): those given away from their default whose declaration (`Flag.needs`) asks for
+    what the target does not do. No torch needed, so the command line refuses them at once."""
     entry = TARGETS[opts.target]
-    shape = {
-        "--layout": opts.layout != "absorbed",
-        "--latent": opts.latent != "split",
-        "--rank": opts.rank,
-        "--kv-cache-ratio": opts.kv_cache_ratio,
-        "--method": opts.method,
-        "--allocation": opts.allocation,
-    }
-    calibration = {
-        "--calib": opts.calib,
-        "--max-ppl-ratio": opts.max_ppl_ratio,
-        "--calibration": opts.calibration,
-        "--refine-queries": opts.refine_queries,  # the exports refine a compressed latent as the mla layouts do
-    }
-    if entry.sized:
-        shape.pop("--kv-cache-ratio")
-    ignored = ({} if entry.compresses else shape) | ({} if entry.calibrates else calibration)
-    order = ("--layout", "--latent", "--rank", "--kv-cache-ratio", "--method", "--calib", "--allocation")
-    later = ("--max-ppl-ratio", "--calibration", "--refine-queries")
-    given = [flag for flag in (*order, *later) if ignored.get(flag) not in (None, False)]
+    given = [
+        long_flag(f)
+        for f in cli_fields(type(opts))
+        if f.metadata.get("needs") and not entry.takes(f.metadata["needs"]) and _given(opts, f)
+    ]
     if opts.gguf_type is not None and opts.target != "llamacpp":
         raise ConvertError(f"--gguf-type: only for --target llamacpp (--target {opts.target} writes no GGUF); drop it")
     if opts.latent_multiple is not None and opts.target != "llamacpp":
@@ -87,6 +80,12 @@ def check_options(opts) -> None:
             f"{', '.join(given)}: only for --target mla (--target {opts.target} writes one fixed layout); "
             "drop them or use --target mla"
         )
+
+
+def _given(opts, f) -> bool:
+    """Whether option field `f` was given a value of its own (not its default, not None, not False)."""
+    value = getattr(opts, f.name)
+    return value is not None and value is not False and value != field_default(f)
 
 
 @dataclass
