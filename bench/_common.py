@@ -44,15 +44,6 @@ def austen_file(book: str = "emma") -> Path:
     return path
 
 
-def perplexity(model, ids) -> float:
-    """exp(mean next-token loss) of a causal LM on ids (1, N), in float64 from its logits."""
-    import torch
-
-    with torch.no_grad():
-        logits = model(ids).logits[0, :-1].double()
-    return float(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).mean().neg().exp())
-
-
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -256,7 +247,9 @@ def source_commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
         code = [".", ":(exclude)bench/results"]  # a result written a moment ago is not a change to the code
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *code], cwd=REPO, capture_output=True).returncode
+        dirty = subprocess.run(
+            ["git", "diff", "--quiet", "HEAD", "--", *code], cwd=REPO, capture_output=True
+        ).returncode
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head.stdout.strip() + ("+changes" if dirty else "")

@@ -167,6 +167,19 @@ def interleaved_windows(streams: Iterable[Iterator[int]], n_tokens: int, window:
     return torch.tensor(ids, dtype=torch.long)[None]
 
 
+def scored_windows(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
+    """`ids` (1, N) cut into non-overlapping windows (1, ≤window) to score a model on (perplexity, KL): the
+    tail is kept, but a last window of one token, which predicts nothing, is dropped."""
+    return [ids[:, s : s + window] for s in range(0, ids.shape[-1], window) if ids[:, s : s + window].shape[-1] > 1]
+
+
+def batched_windows(ids: torch.Tensor, window: int) -> torch.Tensor:
+    """`ids` (1, N) as (N // window, window) rows to fit statistics on in batches (the calibration): the tail
+    that does not fill a row is dropped, so that every row is a full window."""
+    n = ids.shape[-1] // window * window
+    return ids[0, :n].reshape(-1, window)
+
+
 def fisher_ids(ids: torch.Tensor, fisher_tokens: int | None) -> torch.Tensor:
     """What the Fisher pass reads of the calibration ids (1, N): their first `fisher_tokens` (None: all).
     The sequential streams and the refinement read all of them (docs/compression.md, "The default

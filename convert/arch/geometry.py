@@ -21,6 +21,13 @@ def head_dim(config: Mapping[str, Any]) -> int:
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
+def rope_type(config: Mapping[str, Any]) -> str:
+    """The RoPE type config.json names (transformers 5's ``rope_parameters``, else the older ``rope_scaling``,
+    ``rope_type`` or its older ``type``), ``default`` when it names none."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+
+
 def head_dim_if_known(config: Mapping[str, Any]) -> int | None:
     """`head_dim`, or None when config.json has neither ``head_dim`` nor the fields it defaults from."""
     if config.get("head_dim") is None and ("hidden_size" not in config or "num_attention_heads" not in config):

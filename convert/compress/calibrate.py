@@ -6,6 +6,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from convert.stream import LayerStream, layer_output
+from convert.text import batched_windows
 
 
 @dataclass
@@ -39,12 +40,6 @@ class CalibrationRun:
     dtype: torch.dtype = torch.float32
 
 
-def windows(token_ids: torch.Tensor, window: int) -> torch.Tensor:
-    """(1, N) ids -> (N // window, window) rows (the tail that does not fill a window is dropped)."""
-    n = token_ids.shape[-1] // window * window
-    return token_ids[0, :n].reshape(-1, window)
-
-
 def calibrate(
     checkpoint,
     config: dict,
@@ -58,7 +53,7 @@ def calibrate(
 
     observe: called as observe(layer, x, decoder, (positions, rotary, mask), stats) after each
     layer's moments, to add what a target needs of the same pass (x (B, L, D) its normed inputs)."""
-    rows = windows(token_ids, min(run.window, token_ids.shape[-1]))  # (B, L)
+    rows = batched_windows(token_ids, min(run.window, token_ids.shape[-1]))  # (B, L)
     stream = LayerStream(checkpoint, config, torch.device(run.device), run.dtype)
     stats = []
     for index, x, decoder, inputs in stream.run(rows, n_layers, progress):
@@ -94,7 +89,7 @@ def fisher_calibrate(model, token_ids: torch.Tensor, window: int = 1024, progres
     E[g gᵀ] ⊗ E[y yᵀ] (K-FAC), the weighted SVD of E[g gᵀ]^{1/2} W E[y yᵀ]^{1/2}
     orders components by the loss they carry, comparable across every layer.
     """
-    rows = windows(token_ids, min(window, token_ids.shape[-1]))  # (B, L)
+    rows = batched_windows(token_ids, min(window, token_ids.shape[-1]))  # (B, L)
     layers = model.model.layers
     acc = [_accumulator(layer.self_attn.o_proj.out_features) for layer in layers]
     hooks = [h for layer, a in zip(layers, acc) for h in _fisher_hooks(layer.self_attn, a)]
@@ -133,7 +128,7 @@ def fisher_calibrate_streamed(
     model's cross-entropy on float32 logits cancels in p − 1 at confident tokens). Memory: one
     decoder layer, one vocabulary chunk, and n_layers × tokens × D hidden states
     (bench/calib_memory.py measures it)."""
-    rows = windows(token_ids, min(run.window, token_ids.shape[-1]))  # (B, L)
+    rows = batched_windows(token_ids, min(run.window, token_ids.shape[-1]))  # (B, L)
     stream = LayerStream(checkpoint, config, torch.device(run.device), run.dtype)
     stored = []  # each layer's input hidden states (B, L, D)
     hidden = stream.embed(rows)

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
-from convert.compress.calibrate import normed_keys, windows
+from convert.compress.calibrate import normed_keys
 from convert.compress.refine import NO_REFINEMENT, Refined, Refinement, refine_attention
 from convert.mla.attention import build_mla_attention
 from convert.mla.config import MLASection
 from convert.stream import LayerStream, layer_output
+from convert.text import batched_windows
 
 
 @dataclass
@@ -48,7 +49,7 @@ class SequentialCalibration:
     ):
         self.refinement = refinement
         self.refined: list[Refined] = []
-        rows = windows(token_ids, min(window, token_ids.shape[-1]))  # (B, L)
+        rows = batched_windows(token_ids, min(window, token_ids.shape[-1]))  # (B, L)
         self.stream = LayerStream(checkpoint, config, torch.device("cpu"), dtype)
         self.original = self.stream.embed(rows)  # (B, L, D)
         self.compressed = self.original.clone()

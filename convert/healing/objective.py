@@ -9,6 +9,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from convert.errors import ConvertError
 from convert.optim import relative_groups, warmup_cosine
+from convert.text import scored_windows
 
 #: Export tensors that hold the pass-through of DeepseekV3's latent norm (`convert.targets`): the norm
 #: weights and the transformers target's constant bias row M. Never trained: a relative learning
@@ -69,18 +70,13 @@ def schedule_at(scheduler: LambdaLR, step: int) -> None:
         group["lr"] = base * rate(step)
 
 
-def windows_of(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
-    """Non-overlapping windows (1, ≤window) of `ids` (1, N); a last window of one token is dropped."""
-    return [ids[:, s : s + window] for s in range(0, ids.shape[-1], window) if ids[:, s : s + window].shape[-1] > 1]
-
-
 @torch.no_grad()
 def held_out_kl(original, model, ids: torch.Tensor, window: int) -> float:
     """KL(original ‖ model) per token on `ids` (1, N), in windows of `window` tokens (eval mode)."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    for chunk in windows_of(ids, window):  # (1, ≤window)
+    for chunk in scored_windows(ids, window):  # (1, ≤window)
         n = chunk.shape[-1]
         total += float(distillation_loss(model(chunk).logits, original(chunk).logits)) * n
         count += n

@@ -8,6 +8,7 @@ from convert.hf import load_original
 from convert.io import Checkpoint
 from convert.mla.model import cache_bytes_per_token, load_mla_model
 from convert.options import dtype_name
+from convert.text import scored_windows
 from convert.verify import streamed
 from convert.verify.memory import FIGURE_ROWS
 from convert.verify.run import VerifyRun
@@ -32,12 +33,8 @@ def _greedy(model, ids: torch.Tensor) -> list[int]:
 
 def perplexity(model, ids: torch.Tensor, window: int = 1024) -> float:
     """exp(mean next-token NLL) of `ids` (1, N) in non-overlapping windows of `window` tokens."""
-    nll = []
     with torch.no_grad():
-        for start in range(0, ids.shape[-1], window):
-            chunk = ids[:, start : start + window]  # (1, ≤window)
-            if chunk.shape[-1] > 1:
-                nll.append(_nll(model(chunk).logits, chunk))
+        nll = [_nll(model(chunk).logits, chunk) for chunk in scored_windows(ids, window)]  # chunk (1, ≤window)
     return float(torch.cat(nll).mean().exp())
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import gguf
 import torch
 
-from convert.arch import AttentionSpec
+from convert.arch import AttentionSpec, geometry
 from convert.errors import ConvertError, EnvironmentFailure
 from convert.hf import build_causal_lm, load_strict
 from convert.io.reader import dtype_itemsize
@@ -54,8 +54,7 @@ def _check_family(config: dict) -> None:
             f"--target llamacpp: hidden_act={act!r}, and llama.cpp's deepseek2 MLP is SwiGLU (silu) only; "
             "use --target mla"
         )
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    kind = geometry.rope_type(config)
     if kind != "default":
         raise ConvertError(
             f"--target llamacpp: rope_type={kind!r} is not written for llama.cpp yet (default RoPE only); "

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DeepseekV3Config
 
-from convert.arch import AttentionSpec
+from convert.arch import AttentionSpec, geometry
 from convert.hf import hf_config
 from convert.source import StateDictSource, check_layer, read_layer
 from convert.targets.deepseek import as_dtype, check_exportable, deepseek_config_fields, export_spec, pass_through_names
@@ -30,7 +30,6 @@ from convert.targets.vllm.rope import (
     export_rope_parameters,
     needs_calibration,
     rope_frequencies,
-    source_rope_type,
 )
 from convert.targets.vllm.rotary import rotary_directions
 
@@ -221,7 +220,7 @@ def _export_record(
         "frequency_fold": fold(spec.head_dim, rope_dim),
         "rotary_key_energy_kept": retained,
         "position_free_terms": "exact" if exact else (choices.stand_in if all(fitted) else "nope"),
-        "source_rope_type": source_rope_type(config),
+        "source_rope_type": geometry.rope_type(config),
         "latent_content_dims": latent_content_rank(spec, rope_dim),
         "latent_dims_used": min(choices.rank, latent_content_rank(spec, rope_dim), spec.hidden_size),
         "latent_compressed": any(compressed),

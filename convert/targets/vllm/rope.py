@@ -5,7 +5,7 @@ import torch
 from transformers import DeepseekV3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from convert.arch import AttentionSpec
+from convert.arch import AttentionSpec, geometry
 from convert.errors import ConvertError
 from convert.targets.vllm.bias import biased_projections
 from convert.targets.vllm.geometry import DTYPES, ROPE_DIM, fold
@@ -28,7 +28,7 @@ def check_vllm_exportable(
             f"attention biases on {', '.join(p + '_proj' for p in biased)}: vLLM's DeepSeek-V3 has no attention "
             "biases, so the export carries them in the weights on calibration inputs; give --calib TEXT"
         )
-    rope_type = source_rope_type(config)
+    rope_type = geometry.rope_type(config)
     if rope_type not in ("default", "llama3"):
         raise ConvertError(
             f"config.json rope_type={rope_type!r}: vLLM rewrites any non-default RoPE of DeepSeek-V3 to "
@@ -51,14 +51,8 @@ def needs_calibration(
 ) -> bool:
     """More than one key pair per rotary slot (G > 1 or d > rope_dim), a source RoPE vLLM turns at
     other frequencies (llama3), or q/k/v biases (`biased`): the export is lossy and calibrated."""
-    rope_type = source_rope_type(config) if config is not None else "default"
+    rope_type = geometry.rope_type(config) if config is not None else "default"
     return spec.n_kv_heads * fold(spec.head_dim, rope_dim) > 1 or rope_type != "default" or biased
-
-
-def source_rope_type(config: dict) -> str:
-    """The source config's RoPE type (`default` when it names none)."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    return rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
 
 
 def export_rope_parameters(hf_src) -> dict:
