@@ -48,7 +48,7 @@ def large_allocations_mapped():
     layers of that size and smaller come from the heap, where what they leave behind stays resident:
     streamed greedy generation builds and drops every decoder layer once per new token, and SmolLM2's
     run under `--max-memory 0.9GiB` peaked anywhere from 0.73 to 0.94 GiB (over its cap) with the
-    threshold as glibc moves it, at 0.68-0.69 GiB with it fixed, in about the same time (docs/design.md,
+    threshold as glibc moves it, at 0.68-0.69 GiB with it fixed, in about the same time (docs/performance.md,
     "Memory"). Afterwards the threshold is set to `GROWN_THRESHOLD`, glibc's own ceiling."""
     mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None or not mallopt(M_MMAP_THRESHOLD, MAPPED_FROM):

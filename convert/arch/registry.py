@@ -183,7 +183,7 @@ ARCHS: dict[str, ArchSpec] = {
     "llama": _hf("llama", "LlamaAttention", _LLAMA_BIAS),
     "mistral": _hf("mistral", "MistralAttention", _MISTRAL_BIAS),
     "qwen2": _hf("qwen2", "Qwen2Attention", _QWEN2_BIAS),
-    # Qwen3: Llama's layout plus per-head RMSNorm of q and k before RoPE (docs/design.md, "Biases and layer features").
+    # Qwen3: Llama's layout plus per-head RMSNorm of q and k before RoPE (docs/math.md, "Biases and layer features").
     "qwen3": dataclasses.replace(_hf("qwen3", "Qwen3Attention", _LLAMA_BIAS), qk_norm="head"),
     # OLMo 2: RMSNorm of q and k over the whole projection (all heads at once), norms after
     # attention and MLP.
@@ -237,7 +237,7 @@ ARCHS: dict[str, ArchSpec] = {
     ),
 }
 
-# Families with q/k norm that are not entered yet (qwen3, olmo2 and gemma3_text are; docs/design.md,
+# Families with q/k norm that are not entered yet (qwen3, olmo2 and gemma3_text are; docs/math.md,
 # "Biases and layer features"). Each is refused with what it adds beyond the entered families' norms.
 QK_NORM_MODEL_TYPES = {
     "qwen3_moe": "a mixture-of-experts MLP",

@@ -1,4 +1,4 @@
-"""Absorbing up-projections into the query and output projections (docs/design.md, "Absorption").
+"""Absorbing up-projections into the query and output projections (docs/math.md, "Absorption").
 
 Per head h, with up-projection block `W^{U}_h` (d × r):
     Ŵ^Q_h = (W^{UK}_h)ᵀ W^Q_h   (r × X)  so that  q̂_hᵀ c = q_hᵀ k_h

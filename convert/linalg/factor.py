@@ -1,4 +1,4 @@
-"""Low-rank factorizations `W = up @ down` of key/value projections (docs/design.md, "The exact factorization").
+"""Low-rank factorizations `W = up @ down` of key/value projections (docs/math.md, "The exact factorization").
 
 Each factors the small (G·d × D) matrix, never the tiled (H·d × D) one: the same row space at H/G times less work. They
 run in float64, or in float32 where a caller asks (`work_dtype`); callers cast at the end.

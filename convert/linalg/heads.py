@@ -1,4 +1,4 @@
-"""The head map: which key/value group `g(h)` each query head `h` reads (docs/design.md, "Notation")."""
+"""The head map: which key/value group `g(h)` each query head `h` reads (docs/math.md, "Notation")."""
 
 import torch
 

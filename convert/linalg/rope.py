@@ -1,4 +1,4 @@
-"""Exact absorption with RoPE keys: the per-frequency complex latent (docs/design.md, "RoPE").
+"""Exact absorption with RoPE keys: the per-frequency complex latent (docs/math.md, "RoPE").
 
 Each frequency's keys are factored by a complex SVD, so the latent rotates exactly as the keys do: latent pair p turns
 with source frequency `freq_index[p]`, and absorbing `up` into the queries is the ordinary `(W^{UK}_h)ᵀ W^Q_h`.
@@ -104,7 +104,7 @@ def aligned_rope_factor(weight: torch.Tensor, n_kv_heads: int) -> Factor:
     weight: (G·d, X). Latent pair p = g·(d/2) + j holds key pair j of group g
     (dims p and p + P, P = G·d/2, rotate_half layout), so `freq_index[p] = j`, and
     the dims of group g are a permutation of that head's key: a per-head function of the key
-    (the RMS of a q/k norm, docs/design.md, "Biases and layer features") is the same function
+    (the RMS of a q/k norm, docs/math.md, "Biases and layer features") is the same function
     of its latent block. Returns up (G·d, G·d), a permutation, and down = the permuted rows.
     """
     rows = weight.shape[0]

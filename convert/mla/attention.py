@@ -1,6 +1,6 @@
 """The runnable MLA attention: `MLAAttention`, a drop-in for a transformers attention module.
 
-Two layouts over the same cached latent (docs/design.md, "Absorption" and "RoPE"): absorbed (MQA with head dim r over
+Two layouts over the same cached latent (docs/math.md, "Absorption" and "RoPE"): absorbed (MQA with head dim r over
 the latent) and factored (keys and values up-projected per head at run time, then the source's RoPE).
 """
 

@@ -1,6 +1,6 @@
 """The absorbed layout's query and output maps trained in factored form (`factored_training`).
 
-At the exact rank the absorbed maps are G times the source's (docs/design.md, "Absorption"):
+At the exact rank the absorbed maps are G times the source's (docs/math.md, "Absorption"):
 `Ŵ^Q_h = (W^UK_h)ᵀ W^Q_h` is r_K × D a head against W^Q_h's d × D, and `Ŵ^O_h = W^O_h W^UV_h` is
 D × r_V against d. Each is of rank d, so a head's map is the product of two factors that cost,
 at r = G·d, about a third of its multiplications, its gradients and its optimizer state. SmolLM2

@@ -1,6 +1,6 @@
 """The `mla` target, this package's native format: plan the ranks, calibrate when compressing,
-convert a layer at a time and stream the tensors to the writer (docs/design.md, "Absorption",
-"Compression" and "Output format"); loaded by `convert.load_mla_model` or, after `import convert`,
+convert a layer at a time and stream the tensors to the writer (docs/math.md, "Absorption";
+docs/design.md, "Compression" and "Output format"); loaded by `convert.load_mla_model` or, after `import convert`,
 by transformers' Auto classes. The only target that compresses."""
 
 import dataclasses

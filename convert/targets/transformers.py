@@ -1,6 +1,6 @@
 """The `transformers` target: an exact `DeepseekV3ForCausalLM` checkpoint that stock transformers
-loads without custom code (the construction: `convert.targets.deepseek`; docs/design.md,
-"Deployment targets"). Built in memory from the whole source, written and verified like a conversion."""
+loads without custom code (the construction: `convert.targets.deepseek`; docs/serving.md,
+"How each export is built"). Built in memory from the whole source, written and verified like a conversion."""
 
 import torch
 

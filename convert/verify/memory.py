@@ -1,5 +1,5 @@
 """The memory model of verification: what whole-model and streamed verification hold, and the
-memory free to hold it (docs/design.md, "Memory"). `--e2e auto` decides from it whether to verify
+memory free to hold it (docs/performance.md, "Memory"). `--e2e auto` decides from it whether to verify
 whole models or stream them, and whether greedy generation runs; bench/memory.py holds the
 estimates against measured peaks."""
 

@@ -104,12 +104,13 @@ def test_design_doc_names_every_module():
     assert "cli.py" in layout.replace("convert/cli.py", "")  # the top-level entry point too
 
 
-def test_design_doc_names_only_what_exists():
-    """The reverse (issue 68): each file, folder and module docs/design.md names is there (it named
+@pytest.mark.parametrize("doc", sorted(p.name for p in (REPO / "docs").glob("*.md")))
+def test_docs_name_only_what_exists(doc):
+    """The reverse (issue 68): each file, folder and module a doc names is there (docs/design.md named
     `targets/deepseek.py` long after that became a package)."""
     import importlib
 
-    text = (REPO / "docs" / "design.md").read_text()
+    text = (REPO / "docs" / doc).read_text()
     roots = ("convert", "bench", "fixtures", "tests", "scripts", "docs")
     paths = set(re.findall(rf"`((?:{'|'.join(roots)})/[\w/.-]*)`", text))
     missing = [p for p in sorted(paths) if not (REPO / p).exists()]
@@ -124,7 +125,7 @@ def test_design_doc_names_only_what_exists():
         except ModuleNotFoundError:
             if not hasattr(importlib.import_module(module), attribute):
                 missing.append(dotted)
-    assert not missing, f"docs/design.md names what is not in the tree: {missing}"
+    assert not missing, f"docs/{doc} names what is not in the tree: {missing}"
 
 
 def test_bench_readme_lists_every_script():
