@@ -63,7 +63,9 @@ def convert_state_dict(state_dict: dict[str, torch.Tensor], config, **options) -
         raise ConvertError(
             f"state_dict: expected a dict of tensors (model.state_dict()), got {type(state_dict).__name__}"
         )
-    return target("mla").state_dict(state_dict, _as_dict(config), opts)
+    from convert.targets import mla  # the native format's own entry point: a state dict in, one out
+
+    return mla.state_dict(state_dict, _as_dict(config), opts)
 
 
 def to_mla(model, **options):

@@ -9,10 +9,19 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from convert.errors import ConvertError
 from convert.options.fields import cli_fields, field_default, long_flag
+
+if TYPE_CHECKING:  # the interfaces' types; importing them needs torch, which the light CLI path does not load
+    import torch
+
+    from convert.arch import AttentionSpec
+    from convert.io.tensor_source import TensorSource
+    from convert.options import ConvertOptions
+    from convert.plan import ConversionPlan
+    from convert.transform import LayerInfo
 
 
 @dataclass(frozen=True)
@@ -94,16 +103,16 @@ class Build:
     copies byte for byte, the rest as a stream of (name, tensor) in the layout's order, and what
     can be said once the stream is consumed (config, notes, sizes)."""
 
-    layout: dict
-    copied: list[str]
-    tensors: Iterator
-    config: Callable[[], dict]
+    layout: dict[str, tuple[tuple[int, ...], torch.dtype]]  # every tensor written: name -> (shape, dtype)
+    copied: list[str]  # of those, the source's tensors copied byte for byte
+    tensors: Iterator[tuple[str, torch.Tensor]]  # the rest, in the layout's order
+    config: Callable[[], dict]  # config.json, once `tensors` is consumed
     notes: Callable[[], list[str]]
     sizes: Callable[[], dict]
-    metadata: dict
-    options: object  # the options as the target resolved them (what verification then uses)
-    layers: list = field(default_factory=list)
-    plan: object = None
+    metadata: dict[str, str]  # the safetensors header's
+    options: ConvertOptions  # the options as the target resolved them (what verification then uses)
+    layers: list[LayerInfo] = field(default_factory=list)  # the mla target's, per layer
+    plan: ConversionPlan | None = None
     # writes the target's own files into the not yet committed output directory, after the tensors
     # (the llamacpp target's one GGUF file); None: the tensors are the whole output
     extra: Callable[[Path], None] | None = None
@@ -116,16 +125,24 @@ class Target(Protocol):
     NAME: str
     FOREIGN: str  # what other runtimes make of its output
 
-    def check(self, spec, opts) -> None:
+    def check(self, spec: AttentionSpec, opts: ConvertOptions) -> None:
         """Refuse (ConvertError) what the target cannot express for this attention spec."""
 
-    def build(self, source, opts) -> Build:
-        """Stream the output's tensors and config from a checkpoint, every refusal first."""
+    def build(self, source: TensorSource, opts: ConvertOptions) -> Build:
+        """Stream the output's tensors and config from a checkpoint (its `config` beside its tensors),
+        every refusal first."""
 
-    def model(self, state: dict, config: dict, opts, dtype, device):
+    def model(
+        self,
+        state: dict[str, torch.Tensor],
+        config: dict,
+        opts: ConvertOptions,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.nn.Module:
         """The output built in memory, as its runtime computes it (`to_mla`)."""
 
-    def load(self, path, device, dtype):
+    def load(self, path: str | Path, device: str | torch.device, dtype: torch.dtype | None) -> torch.nn.Module:
         """Open a written output in the runtime it was made for."""
 
 
@@ -133,7 +150,7 @@ class Target(Protocol):
 class ExportTarget(Target, Protocol):
     """A target that writes another runtime's format (`TargetEntry.export`)."""
 
-    def report(self, export: dict, e2e: dict | None, ckpt_dtype) -> dict | None:
+    def report(self, export: dict, e2e: dict | None, ckpt_dtype: torch.dtype) -> dict | None:
         """The verification report's section on the export (`export`: config.json's `convert_export`)."""
 
 
@@ -158,7 +175,7 @@ def output_target(config: dict) -> Target:
     return target(written_by(config) or "mla")
 
 
-def load_output(path, device, dtype):
+def load_output(path: str | Path, device: str | torch.device, dtype: torch.dtype | None) -> torch.nn.Module:
     """Any output of this package, opened in the runtime its target was made for."""
     config = json.loads((Path(path) / "config.json").read_text())
     return output_target(config).load(path, device, dtype)
