@@ -19,6 +19,7 @@ calibration novel) and judged again. Rows are saved as they are measured.
     python bench/compression.py --eval-kinds all --shares 0.25 --layouts factored --heal-steps 0   # every kind of text
     python bench/compression.py --calib-kind code --eval-kinds all ...   # calibrated on one kind, judged on each
     python bench/compression.py --render              # table and plot from the saved JSON only
+    python bench/compression.py --kinds-table A.json B.json   # the every-kind table of saved rows only
     python bench/compression.py --model gemma3        # the second family (bench/results/compression/compression_gemma3.json)
     python bench/compression.py --model gemma3 --shares 0.5 --out /tmp/g.json --merge   # one share into its table
     python bench/compression.py --model qwen15b --shares 0.5 --layouts factored --heal-steps 0 --out /tmp/q.json --merge
@@ -178,6 +179,12 @@ def parse_args(argv=None):
         "--render",
         action="store_true",
         help="measure nothing: redraw the plot and rewrite the docs' table from --out",
+    )
+    p.add_argument(
+        "--kinds-table",
+        type=Path,
+        nargs="+",
+        help="measure nothing: print the every-kind table (the worst first) of the rows in these result files",
     )
     p.add_argument(
         "--readme",
@@ -395,6 +402,10 @@ def healed(model, original, heal_ids, eval_ids, window, steps: int) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.kinds_table:
+        rows = [row for path in args.kinds_table for row in json.loads(path.read_text())["rows"]]
+        print("\n".join(_by_kind_table(_one_column_per_text(rows))).strip())
+        return
     if args.render:
         render(json.loads(args.out.read_text()), args)
         return
@@ -691,6 +702,27 @@ def markdown(result: dict) -> str:
         + ") met or missed; —: not measured.",
     ]
     return "\n".join(lines + _by_kind_table(rows))
+
+
+def _one_column_per_text(rows: list[dict]) -> list[dict]:
+    """The rows without the judged book's own column where a kind's holds the same figures in every row
+    (the table's book is fiction's judging document: its first --eval-tokens are the same tokens)."""
+    kinds = {k for r in rows for k in r.get("ppl_ratio_by_kind", {})}
+    repeats = {
+        k
+        for k in kinds
+        for other in kinds
+        if other != k
+        and other in ("fiction", "technical", "code", "dialogue")
+        and k not in ("fiction", "technical", "code", "dialogue")
+        and all(r.get("ppl_ratio_by_kind", {}).get(k) == r.get("ppl_ratio_by_kind", {}).get(other) for r in rows)
+    }
+    return [
+        r | {"ppl_ratio_by_kind": {k: v for k, v in r["ppl_ratio_by_kind"].items() if k not in repeats}}
+        if "ppl_ratio_by_kind" in r
+        else r
+        for r in rows
+    ]
 
 
 def _by_kind_table(rows: list[dict]) -> list[str]:

@@ -66,3 +66,19 @@ def test_the_table_shows_every_kind_of_text_the_worst_first():
     assert header.split("|")[5:8] == [" code ", " technical ", " fiction "]  # by their worst: 1.31, 1.20, 1.06
     assert "| 50% | ×1.120 (technical) | ×1.070 | ×1.120 | ×1.060 |" in text
     assert "| 25% | ×1.310 (code) | ×1.310 | ×1.200 | ×1.020 |" in text
+
+
+def test_the_kinds_table_of_saved_runs_keeps_one_column_per_text(tmp_path, capsys):
+    """`--kinds-table A.json B.json`: the rows of several runs in one table; the judged book's own column goes
+    where a kind's (its judging document) holds the same figures, and stays where they differ."""
+    same = {"northangerabbey": 1.07, "fiction": 1.07, "technical": 1.10, "code": 1.08, "dialogue": 1.02}
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps(_result([_row(0.5, 1.07, ppl_ratio_by_kind=same)], "a")))
+    second.write_text(json.dumps(_result([_row(0.75, 1.01, ppl_ratio_by_kind={**same, "fiction": 1.01})], "b")))
+    B.main(["--kinds-table", str(first)])
+    one = capsys.readouterr().out
+    assert "northangerabbey" not in one and "| 50% | ×1.100 (technical) |" in one
+    B.main(["--kinds-table", str(first), str(second)])
+    both = capsys.readouterr().out
+    assert "northangerabbey" in both  # not the same as fiction in every row: kept
+    assert both.index("| 75% |") < both.index("| 50% |")
