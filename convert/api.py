@@ -21,6 +21,7 @@ from convert.options import ConvertOptions, as_path
 from convert.plan import ConversionPlan, make_plan, resolve_spec
 from convert.sizes import parse_size
 from convert.targets import TARGETS, Build, check_options, target
+from convert.targets import mla as mla_target
 from convert.targets.mla import MLAStateDict
 from convert.transform import LayerInfo
 from convert.verify import export_memory_cap, memory_run, plan_memory_cap, verify, write_report
@@ -63,9 +64,7 @@ def convert_state_dict(state_dict: dict[str, torch.Tensor], config, **options) -
         raise ConvertError(
             f"state_dict: expected a dict of tensors (model.state_dict()), got {type(state_dict).__name__}"
         )
-    from convert.targets import mla  # the native format's own entry point: a state dict in, one out
-
-    return mla.state_dict(state_dict, _as_dict(config), opts)
+    return mla_target.state_dict(state_dict, _as_dict(config), opts)  # the native format's own entry point
 
 
 def to_mla(model, **options):
