@@ -95,7 +95,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.child is not None:
         return child(args)
-    from _common import source_commit  # bench/ is on the path of a script run from it
+    from _common import result_file, source_commit  # bench/ is on the path of a script run from it
 
     rows = []
     for chunk in (int(c) for c in args.chunks.split(",")):
@@ -118,7 +118,7 @@ def main(argv=None):
         "command": " ".join([sys.executable, *sys.argv]),
         "commit": source_commit(),
     }
-    out = args.out or HERE / "results" / "calib_memory" / f"calib_memory_{args.model}.json"
+    out = args.out or result_file("calib_memory", f"calib_memory_{args.model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -196,7 +196,7 @@ def parse_args(argv=None):
     args = p.parse_args(MODEL_ARGS.get(model, []) + list(sys.argv[1:] if argv is None else argv))
     _, _, layouts, methods, results = MODELS[args.model]
     args.layouts, args.methods = args.layouts or layouts, args.methods or methods
-    args.out = args.out or HERE / "results" / "compression" / results
+    args.out = args.out or HERE / "results" / "compression" / results  # _common.result_file's layout
     return args
 
 
@@ -409,7 +409,7 @@ def main(argv=None):
     if args.render:
         render(json.loads(args.out.read_text()), args)
         return
-    from _common import machine, source_commit  # bench/ is on the path of a script run from it
+    from _common import machine, source_commit  # bench/ is on the path of a script run from it (not of the tests)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = MODELS[args.model][0]()
@@ -707,15 +707,12 @@ def markdown(result: dict) -> str:
 def _one_column_per_text(rows: list[dict]) -> list[dict]:
     """The rows without the judged book's own column where a kind's holds the same figures in every row
     (the table's book is fiction's judging document: its first --eval-tokens are the same tokens)."""
-    kinds = {k for r in rows for k in r.get("ppl_ratio_by_kind", {})}
+    by_kind = [r.get("ppl_ratio_by_kind", {}) for r in rows]
+    names = {name for figures in by_kind for name in figures}
     repeats = {
-        k
-        for k in kinds
-        for other in kinds
-        if other != k
-        and other in ("fiction", "technical", "code", "dialogue")
-        and k not in ("fiction", "technical", "code", "dialogue")
-        and all(r.get("ppl_ratio_by_kind", {}).get(k) == r.get("ppl_ratio_by_kind", {}).get(other) for r in rows)
+        name
+        for name in names - set(realdata.TEXT_KINDS)
+        if any(all(f.get(name) == f.get(kind) for f in by_kind) for kind in names & set(realdata.TEXT_KINDS))
     }
     return [
         r | {"ppl_ratio_by_kind": {k: v for k, v in r["ppl_ratio_by_kind"].items() if k not in repeats}}

@@ -112,7 +112,7 @@ def parse_args(argv=None):
     )
     model = p.parse_known_args(argv)[0].model
     args = p.parse_args(MODEL_ARGS.get(model, []) + list(sys.argv[1:] if argv is None else argv))
-    args.out = args.out or HERE / "results" / "heal" / ("heal.json" if model == "smollm2" else f"heal_{model}.json")
+    args.out = args.out or _common.result_file("heal", "heal.json" if model == "smollm2" else f"heal_{model}.json")
     return args
 
 

@@ -170,7 +170,8 @@ def interleaved_windows(streams: Iterable[Iterator[int]], n_tokens: int, window:
 def scored_windows(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
     """`ids` (1, N) cut into non-overlapping windows (1, ≤window) to score a model on (perplexity, KL): the
     tail is kept, but a last window of one token, which predicts nothing, is dropped."""
-    return [ids[:, s : s + window] for s in range(0, ids.shape[-1], window) if ids[:, s : s + window].shape[-1] > 1]
+    chunks = (ids[:, start : start + window] for start in range(0, ids.shape[-1], window))  # each (1, ≤window)
+    return [chunk for chunk in chunks if chunk.shape[-1] > 1]
 
 
 def batched_windows(ids: torch.Tensor, window: int) -> torch.Tensor:
