@@ -174,7 +174,7 @@ def internal_error_line(err: Exception) -> str:
 
 
 def os_error_line(err: OSError) -> str:
-    fixes = {
+    fixes: dict[int | None, str] = {  # by err.errno (None for an error raised without one)
         errno.ENOSPC: "free some space or write elsewhere (-o)",
         errno.EACCES: "check the permissions, or write elsewhere (-o)",
         errno.EROFS: "the file system is read-only: write elsewhere (-o)",

@@ -62,7 +62,9 @@ def hf_config(config: dict, dtype: torch.dtype | None = None, attention: str = "
 
 def hf_classes(arch_name: str) -> tuple[type, type, type]:
     """transformers' (Attention, DecoderLayer, RotaryEmbedding) classes of the family."""
-    module_name, attention = ARCHS[arch_name].hf_attention.split(":")
+    reference = ARCHS[arch_name].hf_attention
+    assert reference is not None  # asked of transformers' families only (the seed has none)
+    module_name, attention = reference.split(":")
     module = importlib.import_module(module_name)
     family = attention.removesuffix("Attention")
     return (

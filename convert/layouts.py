@@ -7,11 +7,15 @@ the same values rearranged, without rewriting it.
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from convert.arch import ARCHS, geometry
 from convert.errors import ConvertError
+
+if TYPE_CHECKING:
+    from convert.io.tensor_source import TensorSource
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,8 @@ class TensorView:
     and the stored source's file-level facts (`config`, `path`, `root`, `files`, `total_bytes`, `close`),
     are the stored source's. It has `stored`'s extras `get`, `read_into` and `raw_chunks` too.
     """
+
+    module_source: "TensorSource"  # only where `attention_view` split a fused q/k/v: the view before the split
 
     def __init__(self, stored, virtual: dict[str, VirtualTensor]):
         self.stored, self.virtual = stored, virtual
@@ -122,6 +128,7 @@ def attention_view(source, config: dict | None):
     arch = family(config)
     if arch is None or arch.fused_qkv is None:
         return source
+    assert config is not None  # a family comes from a config
     view = TensorView(source, _split_qkv(source, arch, config))
     view.module_source = source  # what the family's own modules load (calibration runs them)
     return view
@@ -190,7 +197,8 @@ def module_layout(source, config: dict | None):
         virtual[prefix + "mlp.experts.down_proj"] = VirtualTensor((count, hidden, inner), dtype, tuple(w2), down)
         router = prefix + "block_sparse_moe.gate.weight"
         if router in source:
+            route = lambda read, r=router: read(r)
             virtual[prefix + "mlp.gate.weight"] = VirtualTensor(
-                tuple(source.shape(router)), source.dtype(router), (router,), lambda read, r=router: read(r)
+                tuple(source.shape(router)), source.dtype(router), (router,), route
             )
     return TensorView(source, virtual) if virtual else source

@@ -307,6 +307,7 @@ def _requested_ranks(source, spec: AttentionSpec, opts: ConvertOptions, stats) -
     names = ("rank_kv",) if opts.latent == "joint" else ("rank_k", "rank_v")
     if opts.rank is not None:
         return [dict.fromkeys(names, opts.rank)] * spec.n_layers
+    assert opts.kv_cache_ratio is not None  # lossy without --rank: --kv-cache-ratio asks it
     per_layer = round(opts.kv_cache_ratio * gqa_cache_dims(spec))
     if opts.latent == "joint":
         return [{"rank_kv": per_layer}] * spec.n_layers

@@ -135,6 +135,8 @@ class LogProgress:
     """Log lines instead of a bar: "verifying: layer 12/30, 0.52 layer/s, ETA 0:00:35"; inside a phase,
     while no item completes, "verifying: layer 12/30, 0:01:05 elapsed, still working"."""
 
+    postfix: dict[str, object]  # `set_postfix`'s values, shown as key=value
+
     def __init__(self, iterable, desc: str, unit: str, total: int | None = None):
         global _said
         self.iterable, self.desc, self.unit = iterable, desc, unit

@@ -19,7 +19,7 @@ class StateDictSource:
     """An in-memory state dict as a `TensorSource` (`convert.io.tensor_source`), with `Checkpoint`'s
     `get` and `read_into`. Its tensors are the dict's own: `get` and `read` give the same tensor."""
 
-    def __init__(self, state_dict: dict[str, torch.Tensor], config: dict | None):
+    def __init__(self, state_dict: Mapping[str, torch.Tensor], config: dict | None):
         self.state_dict, self.config = state_dict, config
 
     def keys(self) -> list[str]:

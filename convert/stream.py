@@ -5,6 +5,7 @@ from the safetensors files, run and dropped, so the model's size is not capped b
 """
 
 import functools
+from typing import cast
 
 import torch
 
@@ -98,6 +99,7 @@ class LayerStream:
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """(B, L) ids -> (B, L, D) hidden states entering layer 0 (Gemma: embeddings × √D, as its model does)."""
+        assert self.arch.embed is not None  # transformers' families (`hf_classes`) all name it
         hidden = embedding_rows(self.checkpoint, self.arch.embed, token_ids).to(self.device, self.dtype)
         if self.arch.gemma_scores:
             hidden = hidden * torch.tensor(self.ref_config.hidden_size**0.5, dtype=self.dtype)
@@ -120,7 +122,10 @@ class LayerStream:
     def head_name(self, checkpoint=None) -> str:
         """The lm_head's tensor: its own, or the embedding table it is tied to."""
         source = self.checkpoint if checkpoint is None else checkpoint
-        return "lm_head.weight" if "lm_head.weight" in source else self.arch.embed
+        if "lm_head.weight" in source:
+            return "lm_head.weight"
+        assert self.arch.embed is not None  # transformers' families (`hf_classes`) all name it
+        return self.arch.embed
 
     @property
     def final_softcap(self) -> float | None:
@@ -134,7 +139,10 @@ class LayerStream:
         for layer in progress(range(n_layers)):
             decoder = self.decoder(layer)
             with torch.no_grad():
-                x = decoder.input_layernorm(hidden) if self.arch.pre_norm else hidden  # OLMo 2: post-norm
+                if self.arch.pre_norm:  # cast: torch types a Module's attributes Tensor | Module
+                    x = cast(torch.nn.Module, decoder.input_layernorm)(hidden)
+                else:  # OLMo 2: post-norm
+                    x = hidden
                 inputs = self.inputs(layer, x)
                 yield layer, x, decoder, inputs
                 positions, rotary, mask = inputs

@@ -2,8 +2,12 @@
 
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 
 def in_order(fn, items, workers: int):
@@ -16,7 +20,7 @@ def in_order(fn, items, workers: int):
     torch.set_num_threads(1)
     try:
         with ThreadPoolExecutor(workers) as pool:
-            pending = deque()
+            pending: deque[Future] = deque()
             for item in items:
                 pending.append(pool.submit(fn, item))
                 if len(pending) == workers:

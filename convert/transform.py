@@ -106,9 +106,11 @@ def _key_factor(
     if per_frequency and spec.rotary_dim is not None:  # exact only (plan refuses a lower rank)
         return partial_rope_factor(keys, spec.n_kv_heads, spec.rotary_dim), affine
     if per_frequency and spec.static_freqs:  # compressed: [rotary pairs | static frequencies as NoPE]
+        assert rank is not None  # static frequencies are set only when compressing, at planned ranks
         return decoupled_rope_factor(keys, spec.n_kv_heads, rank, spec.static_freqs, weighting), affine
     if weighting is not None:
         if per_frequency:
+            assert rank is not None  # a weighting comes only with compression, at planned ranks
             pairs, moment, cross = weighting.key_pairs, weighting.key_moment, weighting.key_cross
             return weighted_rope_factor(keys, spec.n_kv_heads, rank, pairs, moment, cross), affine
         return weighted_factor(keys, rank, weighting.key_rows, weighting.key_moment, weighting.key_cross), affine
@@ -179,14 +181,16 @@ def convert_layer(
     factors = factor_layer(w, spec, latent, layout, ranks, weighting, work)
     out = _down_tensors(factors, latent)
     normed = None  # q/k norm, compressed: the factor of the normed keys
-    if spec.qk_norm is not None and (ranks or {}).get("rank_k", factors.key.rank) < factors.key.rank:
-        normed = normed_key_factor(spec, ranks["rank_k"], weighting)
+    rank_k = (ranks or {}).get("rank_k", factors.key.rank)
+    if spec.qk_norm is not None and rank_k < factors.key.rank:
+        normed = normed_key_factor(spec, rank_k, weighting)
         out["k_compress.weight"] = normed.down @ factors.key.up  # (r_K, G·d): from the aligned latent
         factors = dataclasses.replace(factors, key=normed)  # what the cache holds of the keys: reported
     up_k = expand_groups(factors.key.up, spec.n_heads, spec.n_kv_heads, spec.head_map)  # (H·d, r_K)
     up_v = expand_groups(factors.value.up, spec.n_heads, spec.n_kv_heads, spec.head_map)  # (H·d, r_V)
     out_bias = _output_bias(w, spec)
     if spec.qk_norm is not None:
+        assert w.q_norm is not None and w.k_norm is not None  # read with the layer when the spec has q/k norm
         out |= _split_bias(with_bias(w.q, w.q_bias), w.q_bias is not None, "q_proj")
         out |= {"q_norm.weight": w.q_norm.double(), "k_norm.weight": w.k_norm.double(), "k_up.weight": up_k}
         o_name = "o_absorbed" if layout == "absorbed" else "o_proj"

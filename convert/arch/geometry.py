@@ -8,7 +8,7 @@ asks here rather than repeating the defaults.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 
 def n_kv_heads(config: Mapping[str, Any]) -> int:
@@ -25,7 +25,8 @@ def rope_type(config: Mapping[str, Any]) -> str:
     """The RoPE type config.json names (transformers 5's ``rope_parameters``, else the older ``rope_scaling``,
     ``rope_type`` or its older ``type``), ``default`` when it names none."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    return rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    # cast: config.json's values are untyped (mypy reads a get with an Any default as possibly None)
+    return cast(str, rope.get("rope_type", rope.get("type", "default"))) if isinstance(rope, dict) else "default"
 
 
 def head_dim_if_known(config: Mapping[str, Any]) -> int | None:

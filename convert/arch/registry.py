@@ -262,7 +262,9 @@ def refuse_converted(model_type: str | None, config: dict | None) -> None:
         return
     if isinstance(mla, dict) or isinstance(export, dict):
         by = (mla if isinstance(mla, dict) else {}).get("converter") or "convert"
-        source = (mla if isinstance(mla, dict) else export).get("source_model_type", "GQA")
+        record = mla if isinstance(mla, dict) else export
+        assert isinstance(record, dict)  # mla is not a dict, so export is (the test above)
+        source = record.get("source_model_type", "GQA")
         raise ConvertError(
             f"config.json: already converted to MLA (by {by}, from a {source} model); convert its {source} "
             "source instead, or re-check this one with `convert verify SOURCE THIS`"
@@ -309,4 +311,7 @@ def find_arch(model_type: str | None, requested: str | None, config: dict | None
             "the architecture is unknown (no config.json beside the checkpoint, or one without model_type) and "
             f"no --arch: pass --arch ({', '.join(ARCHS)}) and the head counts (--n-heads, --n-kv-heads)"
         )
-    return by_type or ARCHS[requested]
+    if by_type is not None:
+        return by_type
+    assert requested is not None  # refused above when both are None
+    return ARCHS[requested]

@@ -50,7 +50,7 @@ def allocate_global(latents: list[Latent], budget: int, normalize: bool = True) 
 
 def _ranks(latents: list[Latent], kept: dict) -> list[dict]:
     n_layers = max(lat.layer for lat in latents) + 1
-    ranks = [{} for _ in range(n_layers)]
+    ranks: list[dict[str, int]] = [{} for _ in range(n_layers)]
     for lat in latents:
         ranks[lat.layer][lat.name] = kept[id(lat)] * lat.cost
     return ranks

@@ -1,6 +1,7 @@
 """Calibration: second moments of the inputs that really reach each attention layer."""
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -70,7 +71,7 @@ def calibrate(
     return stats
 
 
-def normed_keys(attention: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def normed_keys(attention: Any, x: torch.Tensor) -> torch.Tensor:
     """The q/k-normed keys n of a transformers attention module (Qwen3, Gemma 3, OLMo 2) for
     inputs x (…, D): (N, G·d), heads in the source's order, before RoPE."""
     k = attention.k_proj(x.reshape(-1, x.shape[-1]))  # (N, G·d)
@@ -141,7 +142,7 @@ def fisher_calibrate_streamed(
     (grad,) = torch.autograd.grad(normed, hidden, _loss_grad(stream, normed.detach(), rows))
     acc = []
     for layer in progress(reversed(range(n_layers))):
-        decoder = stream.decoder(layer).requires_grad_(False)
+        decoder: Any = stream.decoder(layer).requires_grad_(False)  # its modules read by name (`_fisher_hooks`)
         acc.append(_accumulator(decoder.self_attn.o_proj.out_features))  # D
         hooks = _fisher_hooks(decoder.self_attn, acc[-1])
         x = stored.pop().requires_grad_(True)
@@ -200,8 +201,9 @@ def _accumulator(dim: int) -> dict:
     }
 
 
-def _fisher_hooks(attention: torch.nn.Module, acc: dict) -> list:
-    """The hooks that accumulate a layer's input moments and its K/V output gradients' E[g gᵀ]."""
+def _fisher_hooks(attention: Any, acc: dict) -> list:
+    """The hooks that accumulate a layer's input moments and its K/V output gradients' E[g gᵀ]
+    (`attention`: a transformers attention module, its projections read by name)."""
     if hasattr(attention, "k_norm"):  # q/k norm: the keys that matter are the normed ones, n
         keys = [
             _hook(attention.k_proj, acc, None, inputs=True),

@@ -166,6 +166,7 @@ def refine_attention(
         None if base is None else base.to(device),
     )
     checked = torch.arange(min(fit.batch, how.checked), device=device)  # the windows that decide
+    output: torch.Tensor | None  # None once not needed (not kept)
     with torch.no_grad():
         output = fit.output(None if keep_output and how.steps <= 0 else checked)  # (B or checked, L, D)
         before = fit.error(output[: len(checked)], checked)
@@ -182,7 +183,10 @@ def refine_attention(
     else:
         after = before
     module.to(home)
-    return Refined(before, after, output.to(home) if keep_output else None)
+    if not keep_output:
+        return Refined(before, after, None)
+    assert output is not None  # kept: every path above ends on the output of all the windows
+    return Refined(before, after, output.to(home))
 
 
 class _Fit:

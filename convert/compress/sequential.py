@@ -6,6 +6,7 @@ layer at a time; memory stays one decoder layer plus the two streams' hidden sta
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -53,9 +54,11 @@ class SequentialCalibration:
         self.stream = LayerStream(checkpoint, config, torch.device("cpu"), dtype)
         self.original = self.stream.embed(rows)  # (B, L, D)
         self.compressed = self.original.clone()
-        self.decoder = None
+        # transformers' decoder layer of the family (its modules read by name), loaded by `_load` until advanced
+        self.decoder: Any | None = None
 
     def _normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.decoder is not None  # loaded
         return self.decoder.input_layernorm(hidden) if self.stream.arch.pre_norm else hidden
 
     def _load(self, layer: int) -> None:
@@ -65,6 +68,7 @@ class SequentialCalibration:
     def stats(self, layer: int) -> SequentialStats:
         """Load layer `layer` and measure its inputs in both models."""
         self._load(layer)
+        assert self.decoder is not None
         with torch.no_grad():
             y = self._normed(self.compressed).reshape(-1, self.compressed.shape[-1]).double()  # (B·L, D)
             y0 = self._normed(self.original).reshape(-1, self.original.shape[-1]).double()
@@ -82,6 +86,7 @@ class SequentialCalibration:
         """Run layer `layer` in both models: the original's attention, then the converted one
         (refined first when asked). Returns the converted tensors as run (refined or not)."""
         self._load(layer)
+        assert self.decoder is not None
         window = getattr(self.decoder.self_attn, "sliding_window", None)
         tensors = {name: t.to(self.stream.dtype) for name, t in tensors.items()}
         rope = self.stream.layer_rotary(layer)
@@ -94,6 +99,7 @@ class SequentialCalibration:
         with `attention` in its place (called as the decoder calls its self_attn). refine: first fit
         `attention` so that the compressed layer computes what the original does (`_refine`)."""
         self._load(layer)
+        assert self.decoder is not None
         positions, rotary, mask = self.stream.inputs(layer, self.original)
         inputs = lambda h: dict(
             hidden_states=h, attention_mask=mask, position_embeddings=rotary, position_ids=positions
@@ -104,6 +110,7 @@ class SequentialCalibration:
         self.decoder.self_attn = attention
         if refine:  # the refinement's last forward, which measured it, is the compressed stream's advance
             refined = self._refine(attention, inputs(self.compressed), residual)
+            assert refined.output is not None  # `_refine` keeps the output
             self.compressed = refined.output
             self.refined.append(dataclasses.replace(refined, output=None))
         else:

@@ -19,9 +19,11 @@ def layer_weighting(
     statistics shrunk by `shrinkage` toward data-free ones (`shrunk`)."""
     if method == "svd":
         return None
+    assert stats is not None  # every method but svd is calibrated
     affine_key = spec.rope and w.k_bias is not None
     key_moment = stats.augmented() if affine_key else stats.moment
     if spec.qk_norm is not None:  # the normed keys n are what is compressed (identity map on n)
+        assert stats.normed_key_moment is not None  # calibrated at the k norm (`normed_keys`)
         key_moment = stats.normed_key_moment
     weighting = Weighting(key_moment=shrunk(key_moment, shrinkage), value_moment=shrunk(stats.moment, shrinkage))
     if method == "whitened":
@@ -46,6 +48,7 @@ def ridge(m: torch.Tensor, rel: float = 1e-6) -> torch.Tensor:
 def _fisher_weighting(
     weighting: Weighting, spec: AttentionSpec, layout: str, stats: LayerStats, shrinkage: float
 ) -> Weighting:
+    assert stats.key_fisher is not None and stats.value_fisher is not None  # fisher calibration's
     key_f = ridge(shrunk(stats.key_fisher, shrinkage))
     value_f = ridge(shrunk(stats.value_fisher, shrinkage))
     if spec.rope and layout == "absorbed":

@@ -115,6 +115,7 @@ def _files(texts) -> list[Path]:
 def _directory_data(texts, eval_texts, converted: Path, vocab_size: int, opts: HealOptions):
     """What a converted directory heals on: training tokens (1, N) or a `WindowsStreamed`, and the
     held-out tokens (1, M), from files read with the directory's tokenizer (or token ids)."""
+    assert opts.tokens is not None and opts.window is not None  # set by HealOptions.sized()
     if isinstance(texts, torch.Tensor):
         eval_ids = None if eval_texts is None else _ids(eval_texts, opts.tokens, "eval_texts")
         return _split(_ids(texts, opts.tokens, "texts"), eval_ids)

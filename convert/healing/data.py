@@ -6,6 +6,7 @@ samples of its share of each global batch (`rank_samples`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import torch
 
@@ -67,7 +68,8 @@ class WindowsStreamed:
     def __init__(self, stream: Callable[[], Iterator[int]], window: int, seed: int, held_out: int, buffer: int = 1024):
         self.stream, self.window, self.seed, self.buffer = stream, window, seed, buffer
         self.held_out = held_out
-        self._position, self._iterator = 0, None
+        self._position = 0
+        self._iterator: Iterator[torch.Tensor] | None = None
 
     def held_out_ids(self) -> torch.Tensor:
         """The held-out windows' token ids (1, held_out·window)."""
@@ -75,7 +77,7 @@ class WindowsStreamed:
         head = [next(windows, None) for _ in range(self.held_out)]
         if any(w is None for w in head) or not head:
             raise ConvertError("--text: too short to hold out check windows; give a longer text or --check-every 0")
-        return torch.cat(head)[None]
+        return torch.cat(cast("list[torch.Tensor]", head))[None]  # no None: checked above
 
     def _windows(self, tokens: Iterator[int]) -> Iterator[torch.Tensor]:
         chunk = []

@@ -4,6 +4,8 @@ at per-tensor relative rates), the schedule, and the held-out checks that keep t
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -15,6 +17,13 @@ from convert.text import scored_windows
 #: weights and the transformers target's constant bias row M. Never trained: a relative learning
 #: rate would move their zero entries by ~1e-3·M.
 _PASS_THROUGH = ("_layernorm.", "kv_a_proj_with_mqa.bias")
+
+
+class RateScale(Protocol):
+    """What scales the healing rate (`healing_scheduler`): a `Backtracking`, or a `HealingCallback` following one."""
+
+    @property
+    def scale(self) -> float: ...
 
 
 def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -56,7 +65,7 @@ def healing_optimizer(model: torch.nn.Module, lr: float = 1e-3) -> torch.optim.A
     return torch.optim.AdamW(relative_groups(trainable.values(), lr), weight_decay=0.0)
 
 
-def healing_scheduler(optimizer, steps: int, checks: Backtracking | None = None) -> LambdaLR:
+def healing_scheduler(optimizer, steps: int, checks: RateScale | None = None) -> LambdaLR:
     """The rate of healing: `warmup_cosine` over `steps` optimizer steps, times the checks' scale
     (halved each time a check goes back to the best weights)."""
     return LambdaLR(optimizer, lambda step: (checks.scale if checks else 1.0) * warmup_cosine(step, steps))
@@ -93,7 +102,8 @@ class Backtracking:
 
     def __init__(self, trainable: dict[str, torch.nn.Parameter], optimizer, measure) -> None:
         self.trainable, self.optimizer, self.measure = trainable, optimizer, measure
-        self.scheduler = None  # a `healing_scheduler` reading `scale`: its rates are renewed at a halving
+        # a `healing_scheduler` reading `scale`: its rates are renewed at a halving
+        self.scheduler: LambdaLR | None = None
         self.scale, self.halvings = 1.0, 0
         self.best_kl = measure()
         self.best_step = 0

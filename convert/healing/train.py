@@ -16,6 +16,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import is_tensorboard_available
+from torch.optim.lr_scheduler import LambdaLR
 
 from convert.errors import ConvertError, EnvironmentFailure
 from convert.healing.data import WindowsInMemory, WindowsStreamed, rank_samples
@@ -97,6 +98,7 @@ def train(model, original, train, eval_ids: torch.Tensor, opts: HealOptions, sta
     included. With `state_dir`, a checkpoint every `opts.save_every` steps, `opts.resume` continues
     from the latest, and the trackers log there. Returns the report's figures and the Accelerator.
     """
+    assert opts.steps is not None and opts.window is not None and opts.batch_size is not None  # HealOptions.sized()
     accelerator = make_accelerator(opts, state_dir)
     device = accelerator.device
     windows, check_ids, train_tokens = _training_windows(train, opts)
@@ -114,7 +116,7 @@ def train(model, original, train, eval_ids: torch.Tensor, opts: HealOptions, sta
     shown = opts.progress and accelerator.is_main_process
     with phase("held-out figures before healing", shown):
         before = _measure(original, live, eval_ids, opts.eval_window)
-    track = None
+    track: Backtracking | None = None
     if check_ids is not None:
         track = Backtracking(trainable, optimizer, lambda: held_out_kl(original, live, check_ids, opts.window))
     scheduler = healing_scheduler(optimizer, opts.steps, track)
@@ -164,17 +166,18 @@ def _started(
 class _Steps:
     """The healing loop's parts, prepared by `train`: what one optimizer step touches."""
 
-    accelerator: object
+    accelerator: Accelerator
     prepared: torch.nn.Module  # the model as accelerate wraps it
     original: torch.nn.Module
-    windows: object  # `Windows` or `WindowsStreamed`
-    trainable: dict
-    optimizer: object
-    scheduler: object
-    track: object  # `Backtracking` or None
+    windows: WindowsInMemory | WindowsStreamed
+    trainable: dict[str, torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    track: Backtracking | None
 
     def run(self, run: TrainingState, opts: HealOptions, state_dir: Path | None, shown: bool) -> None:
         """Steps `run.step` to `opts.steps`: each recorded in `run`, checked, logged and saved as asked."""
+        assert opts.steps is not None and opts.batch_size is not None  # set by HealOptions.sized()
         accelerator, track = self.accelerator, self.track
         global_batch = opts.batch_size * opts.grad_accum * accelerator.num_processes
         window_tokens = opts.batch_size * opts.grad_accum * self.windows.window  # per process and step
@@ -216,6 +219,7 @@ def _figures(
 ) -> dict:
     """The report's figures of a finished run: its settings, the training's, `texts` (train_tokens,
     eval_tokens) and the `held_out` figures (before, after)."""
+    assert opts.steps is not None  # set by HealOptions.sized()
     device, window = accelerator.device, steps.windows.window
     return {
         "steps": opts.steps,
@@ -248,6 +252,7 @@ def _figures(
 def _train_step(accelerator, model, original, batch: torch.Tensor, opts: HealOptions) -> torch.Tensor:
     """Forward and backward of this process's share of a step, `opts.grad_accum` micro-batches of
     `opts.batch_size` windows (gradients synchronised on the last): the mean KL it trained on."""
+    assert opts.batch_size is not None  # set by HealOptions.sized()
     losses = []
     for m in range(opts.grad_accum):
         micro = batch[m * opts.batch_size : (m + 1) * opts.batch_size]  # (B, window)
@@ -273,6 +278,7 @@ def _checkpointing(model, on: bool) -> None:
 
 def _training_windows(train, opts: HealOptions):
     """The windows to train on, the check tokens (or None) and the count of training tokens."""
+    assert opts.window is not None  # set by HealOptions.sized()
     if isinstance(train, WindowsStreamed):
         check = train.held_out_ids() if opts.check_every else None
         return train, check, None

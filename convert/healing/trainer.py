@@ -88,7 +88,8 @@ class DistillationTrainer(Trainer):
                 "DistillationTrainer(teacher=...): pass the original model the student was converted from"
             )
         callbacks = list(kwargs.pop("callbacks", None) or []) + ([checks] if checks is not None else [])
-        super().__init__(*args, callbacks=callbacks, **kwargs)
+        # transformers' Trainer also takes `callbacks` positionally: mypy cannot tell that `*args` stops short of it
+        super().__init__(*args, callbacks=callbacks, **kwargs)  # type: ignore[misc]  # transformers' Trainer signature
         self.teacher, self.checks = teacher.requires_grad_(False).eval(), checks
         self.loss_is_scaled_for_ga = False  # a mean per micro-batch: the Trainer divides by the accumulation
 

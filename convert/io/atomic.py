@@ -18,7 +18,7 @@ from pathlib import Path
 
 from convert.errors import EnvironmentFailure
 
-_FIXES = {
+_FIXES: dict[int | None, str] = {  # by OSError.errno (None for an error raised without one)
     errno.ENOSPC: "no space left on the device: free {need}space on it or choose another -o",
     errno.EDQUOT: "disk quota exceeded: free {need}space or raise the quota, or choose another -o",
     errno.EACCES: "permission denied: make {parent} writable for you or choose another -o",
@@ -28,7 +28,7 @@ _FIXES = {
 }
 
 
-def environment_failure(err: OSError, output: Path, needed: int | None = None) -> EnvironmentFailure:
+def environment_failure(err: OSError, output: Path | str, needed: int | None = None) -> EnvironmentFailure:
     """One line for an OS error met while writing `output`: what failed, where, and the fix."""
     need = f"at least {needed:,} bytes of " if needed else ""
     default = f"{err.strerror or err}: check the disk and the path, or choose another -o"
@@ -38,7 +38,7 @@ def environment_failure(err: OSError, output: Path, needed: int | None = None) -
 
 
 @contextmanager
-def environment_errors(output: Path, needed: int | None = None) -> Iterator[None]:
+def environment_errors(output: Path | str, needed: int | None = None) -> Iterator[None]:
     """Turn any `OSError` inside the block into an `EnvironmentFailure` about `output`."""
     try:
         yield
@@ -175,8 +175,8 @@ def signals_deferred() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        for sig in dict.fromkeys(caught):
-            signal.raise_signal(sig)
+        for signum in dict.fromkeys(caught):
+            signal.raise_signal(signum)
 
 
 def fsync_dir(path: Path) -> None:

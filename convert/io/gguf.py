@@ -263,7 +263,8 @@ def _rows(info: TensorInfo) -> int:
 
 
 def _bytes(values: torch.Tensor) -> memoryview:
-    return memoryview(values.contiguous().view(torch.uint8).numpy()).cast("B")
+    array = values.contiguous().view(torch.uint8).numpy()
+    return memoryview(array).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ is 3.12+ only
 
 
 def _quantization(header) -> str | None:

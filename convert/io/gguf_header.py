@@ -554,7 +554,7 @@ def _llama3_scaling(header: GGUFHeader, theta: float, n_rot: int) -> dict[str, A
     factors (1, 4) and original context (8192) with the file's largest factor, checked against every
     stored value; any other set of factors is refused, not guessed."""
     stored = small_floats(header, "rope_freqs.weight", n_rot // 2)
-    scaling = {
+    scaling: dict[str, Any] = {
         "rope_type": "llama3",
         "factor": max(stored),
         "low_freq_factor": 1.0,

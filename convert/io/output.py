@@ -86,6 +86,7 @@ def _listed_files(directory: Path) -> dict[str, int]:
     valid = isinstance(files, dict) and all(isinstance(k, str) and type(v) is int for k, v in files.items())
     if not valid or manifest.get("format") != MANIFEST_FORMAT or manifest.get("complete") is not True:
         raise _Foreign(f"has a {MANIFEST_NAME} that is not a finished convert manifest")
+    assert isinstance(files, dict)  # checked by `valid`
     return files
 
 

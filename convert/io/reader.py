@@ -148,7 +148,9 @@ class Checkpoint:
         if flat.numel() == 0:
             return
         if target.dtype == entry.dtype and target.device.type == "cpu":
-            self._pread_into(name, entry, entry.start, memoryview(flat.view(torch.uint8).numpy()))
+            array = flat.view(torch.uint8).numpy()
+            view = memoryview(array)  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ is 3.12+ only
+            self._pread_into(name, entry, entry.start, view)
             return
         item = entry.nbytes // flat.numel()
         step = max(1, RAW_CHUNK // item)

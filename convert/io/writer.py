@@ -34,7 +34,8 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     # Viewing as uint8 works for every dtype (bf16, fp8, bool) and numpy
     # always understands uint8; no copy beyond contiguous() is made.
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    array = flat.view(torch.uint8).numpy()
+    return memoryview(array).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ is 3.12+ only
 
 
 def _open_shard(path: Path):
@@ -108,7 +109,7 @@ class CheckpointWriter:
             for name in shard.names:
                 self._slots[name].offset += len(head)
             shard.file_size = len(head) + shard.data_bytes
-            with open(self._tmp / shard.filename, "wb") as f:
+            with open(self.tmp_dir / shard.filename, "wb") as f:
                 f.write(head)
                 # Sparse preallocation: reserves the final size so writes can
                 # seek anywhere, without touching the data blocks.
@@ -119,6 +120,7 @@ class CheckpointWriter:
     @property
     def tmp_dir(self) -> Path:
         """The temporary directory everything is written to before commit."""
+        assert self._tmp is not None  # set in __init__, which aborts and raises without it
         return self._tmp
 
     @property
@@ -141,7 +143,7 @@ class CheckpointWriter:
         return slot
 
     def _put(self, name: str, slot: Slot, pieces, queued: int) -> None:
-        path = self._tmp / self._shards[slot.shard].filename
+        path = self.tmp_dir / self._shards[slot.shard].filename
         thread = self._behind if queued else self._copies
         with self._os_errors():
             thread.submit(Job(name, path, slot.offset, pieces, slot.nbytes, queued))
@@ -192,7 +194,7 @@ class CheckpointWriter:
                 f"output file '{filename}': must be a relative name inside the output directory "
                 "and not a weights file; choose another name"
             )
-        path = self._tmp / rel
+        path = self.tmp_dir / rel
         with self._os_errors():
             path.parent.mkdir(parents=True, exist_ok=True)
         return path
@@ -254,21 +256,21 @@ class CheckpointWriter:
             "metadata": {"total_size": sum(s.nbytes for s in self._slots.values())},
             "weight_map": weight_map,
         }
-        (self._tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        (self.tmp_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
     def _fsync_tree(self) -> None:
-        for path in sorted(self._tmp.rglob("*")):
+        for path in sorted(self.tmp_dir.rglob("*")):
             if path.is_file():
                 with open(path, "rb") as f:
                     os.fsync(f.fileno())
-        fsync_dir(self._tmp)
+        fsync_dir(self.tmp_dir)
 
     def _swap_into_place(self) -> None:
         # Checked again: someone may have put files into the old output during the run.
         check_output(self.output, (), self.force)
         # Ctrl-C waits for the swap, so the renames are never left half done.
         with signals_deferred():
-            self._replaced = move_into_place(self._tmp, self._path)
+            self._replaced = move_into_place(self.tmp_dir, self._path)
             self._done = True
         fsync_dir(self._path.parent)
 
@@ -287,7 +289,7 @@ class CheckpointWriter:
             self._check_complete()
             with self._os_errors():
                 self._write_index()
-                finish_manifest(self._tmp)
+                finish_manifest(self.tmp_dir)
                 self._fsync_tree()
                 self._swap_into_place()
         finally:

@@ -59,15 +59,15 @@ def _weighted(weight, row_weight, moment):
 
 def weighted_factor(
     weight: torch.Tensor,
-    rank: int,
+    rank: int | None,
     row_weight: torch.Tensor | None = None,
     moment: torch.Tensor | None = None,
     cross: torch.Tensor | None = None,
 ) -> Factor:
     """Rank-`rank` factorization of weight (m, X) minimizing ‖B (W − up·down) M^{1/2}‖.
 
-    row_weight: B (m, m) or None; moment: M (X, X) or None (plain SVD); cross: E[y° yᵀ]
-    when the original layer's inputs y° differ from these (`_refit_up`).
+    rank: None keeps every component. row_weight: B (m, m) or None; moment: M (X, X) or None
+    (plain SVD); cross: E[y° yᵀ] when the original layer's inputs y° differ from these (`_refit_up`).
     """
     w = weight.double()
     u, s, _ = torch.linalg.svd(_weighted(w, row_weight, moment), full_matrices=False)
@@ -247,18 +247,19 @@ def decoupled_rope_factor(
             left -= dims
             n_pairs, n_static = n_pairs + (dims == 2), n_static + (dims == 1)
     up, down = torch.zeros(rows, rank, dtype=torch.float64), torch.zeros(rank, cols, dtype=torch.float64)
-    kept, freq = [], torch.zeros(0, dtype=torch.long)
+    kept_parts: list[torch.Tensor] = []
+    freq = torch.zeros(0, dtype=torch.long)
     if n_pairs:
         pairs = select_freqs(weighting.key_pairs, rotary)
         rot = weighted_rope_factor(w[rot_rows], n_kv_heads, 2 * n_pairs, pairs, moment, cross)
         up[rot_rows, : 2 * n_pairs], down[: 2 * n_pairs], freq = rot.up, rot.down, rotary[rot.freq_index]
-        kept.append(rot.kept)
+        kept_parts.append(rot.kept)
     if n_static:
         nope = weighted_factor(w[st_rows], n_static, weighting.key_static_rows, moment, cross)
         up[st_rows, 2 * n_pairs : 2 * n_pairs + n_static] = nope.up
         down[2 * n_pairs : 2 * n_pairs + n_static] = nope.down
-        kept.append(nope.kept)
+        kept_parts.append(nope.kept)
     # `left` (at most one dim, when only complex components remained) stays a zero latent dim
     singular = torch.cat([s_rot.reshape(-1), s_static])
-    kept = torch.cat(kept) if kept else singular[:0]
+    kept = torch.cat(kept_parts) if kept_parts else singular[:0]
     return Factor(up=up, down=down, singular_values=singular, kept=kept, freq_index=freq)

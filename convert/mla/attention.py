@@ -72,6 +72,7 @@ class MLAAttention(nn.Module):
         bias = set(layer.bias)
         self._latent_maps(hidden_size, bias)
         if self.qk_norm:
+            assert mla.norm_eps is not None  # written with qk_norm (`convert.mla.format`), checked with it
             self._normed_maps(hidden_size, bias, mla.norm_eps, mla.norm_unit_offset)
         if self.layout == "absorbed":
             self._absorbed_maps(hidden_size, bias, layer.key_freq_index or ())
@@ -165,6 +166,7 @@ class MLAAttention(nn.Module):
             rows = cols(heads, self.rank_k)
             q = linear_rows(self.q_absorbed, x, rows, whole=self.n_heads * self.rank_k)  # (B, L, h·r_K)
             return q.view(batch, length, -1, self.rank_k).transpose(1, 2)
+        assert q_heads is not None  # `_absorbed` passes them with a q norm
         up = self.k_up.weight.view(self.n_heads, self.head_dim, self.rank_k)[heads]  # (h, d, r_K)
         return torch.einsum("bhld,hdr->bhlr", q_heads[:, heads], up)
 

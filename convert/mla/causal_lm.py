@@ -3,6 +3,7 @@ causal LM with MLA attention), registered as model type `convert_mla` with trans
 on `import convert` (`register`; docs/design.md, "Output format")."""
 
 import inspect
+from typing import cast
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
@@ -84,7 +85,9 @@ class MLAForCausalLM(PreTrainedModel, GenerationMixin):
             # the family's masks as for SDPA: none where causal attention needs none (SDPA's own causal
             # kernels), boolean where padding or a window needs one; never a (B, 1, L, S) float mask
             fields = config.to_dict()
-            source = family_causal_lm(fields, config.dtype or torch.float32, reference_attention(fields))
+            # transformers annotates `dtype` str | torch.dtype | None; PretrainedConfig turns a str into a torch.dtype
+            dtype = cast(torch.dtype, config.dtype or torch.float32)
+            source = family_causal_lm(fields, dtype, reference_attention(fields))
             swap_attention(source, MLASection.parse(config.mla, "config.json"))  # checked as it is loaded
         self.model, self.lm_head = source.model, source.lm_head
         self._family = type(source)
@@ -143,7 +146,7 @@ class MLAForCausalLM(PreTrainedModel, GenerationMixin):
         )
 
 
-def _cache_argument(family: type) -> str:
+def _cache_argument(family: type[PreTrainedModel]) -> str:
     """The name under which a family's forward takes its KV cache."""
     return "cache" if "cache" in inspect.signature(family.forward).parameters else "past_key_values"
 

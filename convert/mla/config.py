@@ -49,12 +49,16 @@ class LayerEntry:
     @property
     def key_rank(self) -> int:
         """r_K: the cached key latent's width (joint: the one latent)."""
-        return self.rank_kv if self.rank_kv is not None else self.rank_k
+        rank = self.rank_kv if self.rank_kv is not None else self.rank_k
+        assert rank is not None  # a checked entry has rank_kv (joint) or rank_k and rank_v (split)
+        return rank
 
     @property
     def value_rank(self) -> int:
         """r_V: the value latent's width (joint: the one latent)."""
-        return self.rank_kv if self.rank_kv is not None else self.rank_v
+        rank = self.rank_kv if self.rank_kv is not None else self.rank_v
+        assert rank is not None  # a checked entry has rank_kv (joint) or rank_k and rank_v (split)
+        return rank
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,7 @@ def _check_format_version(mla: dict, where: str) -> None:
     """A format this version reads: the one it writes or an older one (1…); a newer one needs a newer convert."""
     version = mla.get("format_version")
     check_field(where, "mla.format_version", version, count, RECONVERT)
+    assert isinstance(version, int)  # check_field refused anything but a count
     if version > FORMAT_VERSION:
         raise ConvertError(
             f"{where} mla.format_version={version}: written by a newer convert (this one reads formats 1 to "
@@ -223,7 +228,7 @@ def _layer_entry(entry: dict) -> LayerEntry:
 def _check_freq_index(entry: dict, field: str, mla: dict, where: str) -> None:
     """key_freq_index: with RoPE in the absorbed layout, the source frequency (< head_dim/2) of
     each of the r_K/2 latent pairs; absent otherwise."""
-    freq = entry.get("key_freq_index")
+    freq: Any = entry.get("key_freq_index")  # as read from config.json: its type is checked below
     if mla.get("rope") is None or mla["layout"] != "absorbed":
         if freq is not None:
             raise ConvertError(

@@ -15,9 +15,13 @@ checkpoint) is an ordinary absorbed checkpoint.
 """
 
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from convert.mla.attention import MLAAttention
 
 #: The share of a head's map (its Frobenius norm) that its factors may miss, times the weights'
 #: machine epsilon: the rounding of a product of rank d stored in that dtype (float32 and bfloat16
@@ -209,7 +213,7 @@ def _factor_state(module, state_dict, prefix, local_metadata, strict, missing_ke
         state_dict[prefix + name] = parameter.detach()
 
 
-def _attentions(model: nn.Module) -> list[nn.Module]:
+def _attentions(model: nn.Module) -> list["MLAAttention"]:
     from convert.mla.attention import MLAAttention
 
     return [m for m in model.modules() if isinstance(m, MLAAttention) and m.layout == "absorbed"]

@@ -6,6 +6,7 @@ directly on the target device and filled with the converted tensors strictly, ea
 
 import json
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -85,7 +86,7 @@ def _empty_mla_model(config: dict, dtype: torch.dtype, device="cpu") -> MLAForCa
             f"source architecture {mla['source_architecture']!r} has no runnable transformers model; "
             "use `convert verify` for per-layer checks"
         )
-    return allocate(MLAForCausalLM.from_converted_config(config, dtype), device)
+    return cast(MLAForCausalLM, allocate(MLAForCausalLM.from_converted_config(config, dtype), device))  # the same model
 
 
 def load_mla_model(path, device=None, dtype=None):

@@ -11,11 +11,15 @@ from convert.arch.spec import count_layers
 from convert.arch.validate import check_config, check_field, positive, refuse, string
 from convert.errors import ConvertError
 from convert.hf import meta_state_dict
+from convert.io.gguf import GGUFCheckpoint
 from convert.io.locate import CONFIG_NAME, read_json
 from convert.io.reader import Checkpoint, open_checkpoint
 from convert.mla.config import RECONVERT, LayerEntry, MLASection
 from convert.mla.format import MLA_MODEL_TYPE
 from convert.mla.shapes import output_shapes
+
+#: What `open_checkpoint` opens: a converted directory's weights are safetensors, or a GGUF file.
+Stored = Checkpoint | GGUFCheckpoint
 
 
 def check_converted(path) -> MLASection | None:
@@ -152,7 +156,7 @@ def _spec(mla: MLASection, arch: ArchSpec) -> AttentionSpec:
     )
 
 
-def _check_against_tensors(mla: MLASection, arch: ArchSpec, config: dict, checkpoint: Checkpoint, where: str) -> None:
+def _check_against_tensors(mla: MLASection, arch: ArchSpec, config: dict, checkpoint: Stored, where: str) -> None:
     """Exactly layers 0…n_layers-1, each with the converted tensors its entry describes; the rest of
     the model as transformers builds it."""
     keys = set(checkpoint.keys())
@@ -179,7 +183,7 @@ def _source_biases(bias: tuple[str, ...]) -> set[str]:
 
 
 def _check_layer_tensors(
-    spec: AttentionSpec, i: int, entry: LayerEntry, layout: str, checkpoint: Checkpoint, where: str
+    spec: AttentionSpec, i: int, entry: LayerEntry, layout: str, checkpoint: Stored, where: str
 ) -> None:
     """Layer i's converted tensors: the names and shapes its ranks and biases give, floating point."""
     ranks = entry.ranks
@@ -195,7 +199,7 @@ def _check_layer_tensors(
     _compare_tensors(checkpoint, {prefix + n: s for n, s in expected.items()}, actual, owner)
 
 
-def _compare_tensors(checkpoint: Checkpoint, expected: dict, actual: dict, owner: str, extra_ok=frozenset()) -> None:
+def _compare_tensors(checkpoint: Stored, expected: dict, actual: dict, owner: str, extra_ok=frozenset()) -> None:
     """Tensors present (name -> shape) against those `owner` describes: none missing, none unknown
     (but `extra_ok`), the same shapes, floating point."""
     missing = sorted(expected.keys() - actual.keys())
@@ -214,7 +218,7 @@ def _compare_tensors(checkpoint: Checkpoint, expected: dict, actual: dict, owner
         _check_floating(checkpoint, tensor)
 
 
-def _check_floating(checkpoint: Checkpoint, name: str) -> None:
+def _check_floating(checkpoint: Stored, name: str) -> None:
     dtype = checkpoint.dtype(name)
     if not dtype.is_floating_point:
         raise ConvertError(
@@ -223,7 +227,7 @@ def _check_floating(checkpoint: Checkpoint, name: str) -> None:
         )
 
 
-def _check_other_tensors(config: dict, checkpoint: Checkpoint, attention: tuple[str, ...], where: str) -> None:
+def _check_other_tensors(config: dict, checkpoint: Stored, attention: tuple[str, ...], where: str) -> None:
     """Every tensor outside the attention, against the model transformers builds from config.json."""
     model = {n: tuple(t.shape) for n, t in _meta_state_dict(config, where).items() if not n.startswith(attention)}
     actual = {n: checkpoint.shape(n) for n in checkpoint.keys() if not n.startswith(attention)}

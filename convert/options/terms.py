@@ -25,7 +25,8 @@ _PATH_FLAGS = {
 @cache
 def _keywords() -> dict[str, tuple[str, object, tuple]]:
     """Each command-line flag -> (its API keyword, the value a boolean flag sets or None, its choices)."""
-    table = {flag: (name, None, ()) for flag, name in _PATH_FLAGS.items()}
+    table: dict[str, tuple[str, object, tuple]] = {flag: (name, None, ()) for flag, name in _PATH_FLAGS.items()}
+    entry: tuple[str, object, tuple]
     for cls in (ConvertOptions, HealOptions, EvalOptions):
         for f in cli_fields(cls):
             meta, default = f.metadata, field_default(f)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from convert.errors import ConvertError
 from convert.options.fields import (
@@ -137,7 +137,7 @@ class HealOptions(FromKwargs):
 
     def sized(self) -> HealOptions:
         """These options with every size left unset (None) taken from `HEAL_SIZES` for the device."""
-        sizes = heal_sizes(self.torch_device)
+        sizes: dict[str, Any] = heal_sizes(self.torch_device)  # Any: mypy checks **sizes against every field
         return replace(self, **{k: v for k, v in sizes.items() if getattr(self, k) is None})
 
 

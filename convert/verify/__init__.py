@@ -13,6 +13,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import transformers
@@ -28,7 +29,7 @@ from convert.mla.model import load_mla_model, read_mla_config
 from convert.options import VerifyOptions, dtype_name
 from convert.progress import phase, progress
 from convert.sizes import gib
-from convert.targets import TARGETS, load_output, output_target, written_by
+from convert.targets import TARGETS, ExportTarget, load_output, output_target, written_by
 from convert.text import judging_ids, model_tokenizer, text_token_ids
 from convert.verify.decision import check, coarsest, decide, thresholds
 from convert.verify.e2e import GREEDY_NEW, GREEDY_PROMPT, end_to_end, greedy_in_turn, streamed_end_to_end
@@ -194,6 +195,7 @@ def _end_to_end(opts: VerifyOptions, run: VerifyRun, converted, ids, cap: Memory
         return end_to_end(run, load, ids, tokenizer, segments)
     greedy, why = None, "greedy generation needs a whole model with a KV cache, and --e2e streamed keeps to one layer"
     if opts.e2e == "auto":
+        assert run.ckpt_dtype is not None  # `_verify_with` sets it
         greedy_dtype = opts.greedy_dtype(run.ckpt_dtype)
         fits, need = _one_model_fits(orig, conv, device, greedy_dtype, cap)
         if fits:
@@ -262,7 +264,7 @@ def is_export(directory) -> bool:
         name = written_by(json.loads(config.read_text()))
     except (OSError, ValueError, TypeError, AttributeError, RecursionError):
         return False  # the native checks say what is wrong with it
-    entry = TARGETS.get(name)
+    entry = None if name is None else TARGETS.get(name)
     return entry is not None and entry.export
 
 
@@ -293,7 +295,7 @@ def _verify_export(original, exported, opts: VerifyOptions) -> dict:
                 "text": _text_input(opts.text, ids, segments),
             }
     report = _report(opts, dtype, limits, _Findings([], e2e, None, inputs, timings.close()), cap)
-    section = output_target(conv.config or {}).report(export, e2e, ckpt_dtype)
+    section = cast(ExportTarget, output_target(conv.config or {})).report(export, e2e, ckpt_dtype)  # `is_export`
     if section is not None:
         report["target"] = section
     return report
@@ -412,6 +414,7 @@ def _memory_cap(opts: VerifyOptions, run: VerifyRun, tokens: int) -> MemoryCap:
     this verification needs: one decoder layer of each model at a time (streamed), or with --e2e
     whole both whole models."""
     orig, conv = run.original, run.converted
+    assert run.mla is not None  # a native run (an export's cap is `_export_memory_cap`)
     if opts.e2e == "whole":
         needed, what = _whole_models_bytes(run, tokens), "--e2e whole (both whole models at once)"
     else:

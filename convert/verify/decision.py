@@ -31,13 +31,14 @@ def thresholds(dtype_name: str, max_ppl_ratio: float | None) -> dict:
     the noise floor's rule (`noise_floor`: half precision, exact), or the perplexity ratio (lossy)."""
     layer = THRESHOLDS.get(dtype_name)  # None in half precision: no fixed bound
     floor = dtype_name in HALF
+    e2e = None if floor else E2E_FACTOR * THRESHOLDS[dtype_name]  # float32/float64: `layer` is set
     return {
         "dtype": dtype_name,
         "noise_floor": floor and max_ppl_ratio is None,
         "floor_factor": FLOOR_FACTOR if floor else None,
         "layer_rel_error": layer,
-        "logits_rel_error": None if floor else E2E_FACTOR * layer,
-        "ppl_rel_diff": None if floor else E2E_FACTOR * layer,
+        "logits_rel_error": e2e,
+        "ppl_rel_diff": e2e,
         "top1_agreement": None if floor else MIN_TOP1,
         "max_ppl_ratio": max_ppl_ratio,
     }

@@ -68,7 +68,8 @@ def compare_models(ref_model, mla_model, ids: torch.Tensor, window: int = 1024, 
     """Logit agreement and perplexity of two models on `ids` (1, N), window by window; with
     `segments` (`segment_windows`) each text's perplexities too, as `by_text`."""
     sq_diff = sq_ref = kl_sum = kl_max = max_abs = agree = 0.0
-    nll_ref, nll_got = [], []
+    window_nll_ref: list[torch.Tensor] = []
+    window_nll_got: list[torch.Tensor] = []
     spans = segment_windows(ids.shape[-1], window, segments)
     with torch.no_grad():
         for start, stop, _ in spans:
@@ -80,10 +81,10 @@ def compare_models(ref_model, mla_model, ids: torch.Tensor, window: int = 1024, 
             sq_diff, sq_ref = sq_diff + w["sq_diff"], sq_ref + w["sq_ref"]
             max_abs, kl_sum, kl_max = max(max_abs, w["max_abs"]), kl_sum + w["kl_sum"], max(kl_max, w["kl_max"])
             agree += w["agree"]
-            nll_ref.append(w["nll_ref"])  # empty for a one-token window
-            nll_got.append(w["nll_got"])
-    n, texts = ids.shape[-1], by_segment(segments, spans, nll_ref, nll_got)
-    nll_ref, nll_got = torch.cat(nll_ref), torch.cat(nll_got)
+            window_nll_ref.append(w["nll_ref"])  # empty for a one-token window
+            window_nll_got.append(w["nll_got"])
+    n, texts = ids.shape[-1], by_segment(segments, spans, window_nll_ref, window_nll_got)
+    nll_ref, nll_got = torch.cat(window_nll_ref), torch.cat(window_nll_got)
     ppl_ref, ppl_got = float(nll_ref.mean().exp()), float(nll_got.mean().exp())
     return {
         "tokens": n,
@@ -111,6 +112,7 @@ def end_to_end(run: VerifyRun, load_converted, ids: torch.Tensor, tokenizer=None
     `floor`; it is built once the converted model is freed (two whole models in memory at a time).
     """
     config, device, dtype, ckpt_dtype = run.config, run.device, run.dtype, run.ckpt_dtype
+    assert ckpt_dtype is not None  # both verifications set it: the dtype KV-cache bytes are counted in
     ref_model = load_original(run.original, config, device, dtype)
     mla_model = load_converted(device, dtype)
     ids = ids.to(device)
@@ -141,7 +143,7 @@ def greedy_fields(
     ran = greedy_ref is not None
     decode = (lambda tokens: tokenizer.decode(tokens)) if ran and tokenizer is not None else (lambda tokens: None)
     return {
-        "greedy_dtype": dtype_name(dtype) if ran else None,
+        "greedy_dtype": dtype_name(dtype) if ran and dtype is not None else None,  # ran: it has a dtype
         "greedy_how": how if ran else None,
         "greedy_original": greedy_ref,
         "greedy_converted": greedy_got,
@@ -178,9 +180,10 @@ def streamed_end_to_end(
     `greedy_in_turn` or `greedy_streamed` when one ran, else `greedy_skipped` says `why`; with
     a twin, the twin runs as a third stream and its figures are the `floor`; `segments` as `end_to_end`'s."""
     greedy_ref, greedy_got, greedy_dtype, *how = greedy or (None, None, None)
-    ckpt_dtype = run.ckpt_dtype
+    mla, ckpt_dtype = run.mla, run.ckpt_dtype
+    assert mla is not None and ckpt_dtype is not None  # a native run: `_verify_with` sets both
     result = streamed.compare_streamed(run, ids.to(run.device), segments=segments)
-    cache_original, cache_converted = streamed.cache_bytes_per_token(run.mla, ckpt_dtype)
+    cache_original, cache_converted = streamed.cache_bytes_per_token(mla, ckpt_dtype)
     return (
         result
         | greedy_fields(greedy_ref, greedy_got, ids, tokenizer, greedy_dtype, *how)

@@ -4,6 +4,8 @@ The original attention (transformers' own module, or the seed's `MyGQA`) and the
 inputs: the hidden states that really reach the layer when token ids are given, else random N(0, 1) (post-norm scale).
 """
 
+from typing import cast
+
 import torch
 
 from convert.mla.attention import MLAAttention, build_mla_attention
@@ -20,12 +22,16 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 
 def _mla_module(run: VerifyRun, layer: int, rotary=None) -> MLAAttention:
-    build = lambda: build_mla_attention(run.mla, layer, rotary=rotary, dtype=run.dtype)
-    return materialize(build, run.converted, run.prefix(layer), run.device, run.dtype)
+    mla = run.mla
+    assert mla is not None  # the per-layer check runs on a native checkpoint, which has its `mla` section
+    build = lambda: build_mla_attention(mla, layer, rotary=rotary, dtype=run.dtype)
+    return cast(MLAAttention, materialize(build, run.converted, run.prefix(layer), run.device, run.dtype))
 
 
 def check_hf_layers(run: VerifyRun, token_ids: torch.Tensor | None, n_tokens: int, progress) -> list[dict]:
     """Per-layer errors of a transformers family (every registered family but the seed's notation)."""
+    mla = run.mla
+    assert mla is not None  # the per-layer check runs on a native checkpoint, which has its `mla` section
     stream = LayerStream(run.original, run.config, run.device, run.dtype)
     results = []
 
@@ -40,12 +46,12 @@ def check_hf_layers(run: VerifyRun, token_ids: torch.Tensor | None, n_tokens: in
         results.append(_layer_result(run, layer, got, ref, twin))
 
     if token_ids is not None:
-        for layer, x, decoder, inputs in stream.run(token_ids, run.mla.n_layers, progress):
+        for layer, x, decoder, inputs in stream.run(token_ids, mla.n_layers, progress):
             compare(layer, x, decoder.self_attn, inputs)
         return results
     generator = torch.Generator().manual_seed(0)
-    for layer in progress(range(run.mla.n_layers)):
-        x = torch.randn(1, n_tokens, run.mla.hidden_size, generator=generator).to(run.device, run.dtype)
+    for layer in progress(range(mla.n_layers)):
+        x = torch.randn(1, n_tokens, mla.hidden_size, generator=generator).to(run.device, run.dtype)
         compare(layer, x, stream.attention(layer), stream.inputs(layer, x))
     return results
 
@@ -54,6 +60,7 @@ def check_seed_layers(run: VerifyRun, n_tokens: int, progress) -> list[dict]:
     """Per-layer errors of a seed-notation checkpoint against the seed's MyGQA (x attends to x; tiled head map,
     no mask, no RoPE)."""
     mla = run.mla
+    assert mla is not None  # the per-layer check runs on a native checkpoint, which has its `mla` section
     generator = torch.Generator().manual_seed(0)
     results = []
     for layer in progress(range(mla.n_layers)):
@@ -69,15 +76,17 @@ def check_seed_layers(run: VerifyRun, n_tokens: int, progress) -> list[dict]:
 def _seed_gqa(run: VerifyRun, layer: int, weights) -> MyGQA:
     """The seed's MyGQA of `layer` with the tensors of `weights` (the original, or its twin)."""
     mla = run.mla
+    assert mla is not None  # a seed-notation checkpoint converts to the native format
     d, hidden = mla.head_dim, mla.hidden_size
     module = MyGQA(hidden, hidden, d, d, mla.n_heads, mla.n_kv_heads)
-    return load_module(module, weights, run.prefix(layer), run.device, run.dtype)
+    return cast(MyGQA, load_module(module, weights, run.prefix(layer), run.device, run.dtype))
 
 
 def _layer_result(run: VerifyRun, layer: int, got: torch.Tensor, ref: torch.Tensor, twin=None) -> dict:
     """One layer's row of the report; with the twin's output, its errors as the layer's noise floor."""
     rel, max_abs = relative_error(got, ref)
     floor_rel, floor_max_abs = (None, None) if twin is None else relative_error(twin, ref)
+    assert run.mla is not None  # the per-layer check runs on a native checkpoint, which has its `mla` section
     entry = run.mla.layers[layer]
     ranks = entry.ranks
     return {

@@ -115,7 +115,8 @@ def available_memory_bytes(device: torch.device) -> int:
     kernel's MemAvailable, or the headroom of a memory-limited cgroup (a container) if smaller."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    return min(_mem_available(), _cgroup_headroom())
+    # an int: the headroom is a float only where infinite (no cgroup limit), and then MemAvailable is the least
+    return int(min(_mem_available(), _cgroup_headroom()))
 
 
 def free_margin_bytes(free: int) -> int:

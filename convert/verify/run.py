@@ -27,4 +27,5 @@ class VerifyRun:
             object.__setattr__(self, "mla", MLASection.parse(self.config["mla"], "config.json"))
 
     def prefix(self, layer: int) -> str:
+        assert self.mla is not None  # asked of a native run only: an export's layers are not read by prefix
         return self.mla.prefix(layer)

@@ -29,6 +29,7 @@ class _Stream:
         original, config, device, dtype = run.original, run.config, run.device, run.dtype
         self.original, self.converted, self.config = module_layout(original, config), run.converted, config
         self.twin = run.twin  # the original's equivalent twin (`convert.verify.twin`), run as a third stream
+        assert run.mla is not None  # streamed: a native run, its `mla` section parsed
         self.mla, self.device, self.dtype = run.mla, device, dtype
         self.layers = LayerStream(original, config, device, dtype)
         self.arch = ARCHS[self.mla.source_architecture]
@@ -58,6 +59,7 @@ class _Stream:
 
     def embed(self, checkpoint: Checkpoint, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows of `ids` (1, L) -> (1, L, D), read row by row (never the whole table)."""
+        assert self.arch.embed is not None  # only the seed's family has none, and it runs no end-to-end check
         rows = embedding_rows(checkpoint, self.arch.embed, ids).to(device=self.device, dtype=self.dtype)
         if self.embed_scale is not None:  # as Gemma2Model does, the factor rounded to the run dtype
             rows = rows * torch.tensor(self.embed_scale, dtype=self.dtype)
@@ -225,11 +227,19 @@ def compare_streamed(run: VerifyRun, ids: torch.Tensor, window=1024, progress=it
     return result
 
 
-def _figures(stream: _Stream, windows, ref_h, got_h, got_checkpoint: Checkpoint, segments=(None, None)) -> dict:
+def _figures(
+    stream: _Stream,
+    windows,
+    ref_h,
+    got_h,
+    got_checkpoint: Checkpoint,
+    segments: tuple[list | None, list | None] = (None, None),
+) -> dict:
     """The figures of one model's hidden states `got_h` against the original's `ref_h`, window by
     window; segments: (the texts, `segment_windows`' spans) for `by_text`."""
     total = {"sq_diff": 0.0, "sq_ref": 0.0, "max_abs": 0.0, "kl_sum": 0.0, "kl_max": 0.0, "agree": 0.0}
-    nll_ref, nll_got = [], []
+    window_nll_ref: list[torch.Tensor] = []
+    window_nll_got: list[torch.Tensor] = []
     with torch.no_grad():
         for w, ref, got in zip(windows, ref_h, got_h):
             fig = _window_figures(stream, ref, got, w, got_checkpoint)
@@ -239,10 +249,10 @@ def _figures(stream: _Stream, windows, ref_h, got_h, got_checkpoint: Checkpoint,
                 max(total["max_abs"], fig["max_abs"]),
                 max(total["kl_max"], fig["kl_max"]),
             )
-            nll_ref.append(fig["nll_ref"])  # (L-1,) per window
-            nll_got.append(fig["nll_got"])
-    n, texts = sum(w.shape[-1] for w in windows), by_segment(*segments, nll_ref, nll_got)
-    nll_ref, nll_got = torch.cat(nll_ref), torch.cat(nll_got)
+            window_nll_ref.append(fig["nll_ref"])  # (L-1,) per window
+            window_nll_got.append(fig["nll_got"])
+    n, texts = sum(w.shape[-1] for w in windows), by_segment(*segments, window_nll_ref, window_nll_got)
+    nll_ref, nll_got = torch.cat(window_nll_ref), torch.cat(window_nll_got)
     ppl_ref, ppl_got = float(nll_ref.mean().exp()), float(nll_got.mean().exp())
     return {
         "logits_max_abs_diff": total["max_abs"],

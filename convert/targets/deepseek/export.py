@@ -4,6 +4,7 @@ Built from the SOURCE GQA weights, not from the native MLA output."""
 
 import math
 import re
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DeepseekV3Config
@@ -26,6 +27,9 @@ from convert.targets.deepseek.tensors import (
     norm_constant,
     square_width,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
 
@@ -144,7 +148,7 @@ def as_dtype(dtype) -> torch.dtype | None:
 
 
 def export_spec(
-    state_dict: dict, config, target: str, opts=None, spec: AttentionSpec | None = None
+    state_dict: "Mapping[str, torch.Tensor]", config, target: str, opts=None, spec: AttentionSpec | None = None
 ) -> tuple[dict, StateDictSource, AttentionSpec]:
     """(config dict, in-memory source, attention spec) of a model a DeepSeek-V3 target exports;
     refuses the families whose attention DeepSeek-V3 cannot hold (`SUPPORTED_ARCHS` only). With a

@@ -5,10 +5,14 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gguf
 
 from convert.errors import ConvertError, EnvironmentFailure
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 #: The quantized types `quantize` writes, as llama.cpp's `LLAMA_FTYPE_MOSTLY_*` numbers.
 QUANTIZED = {"Q8_0": 7, "Q4_K_M": 15}
@@ -36,7 +40,7 @@ def engine_python() -> Path | None:
     return venv / "bin" / "python" if built else None
 
 
-def quantize(source: Path, output: Path, kind: str, overrides: list[tuple[str, str]] = ()) -> None:
+def quantize(source: Path, output: Path, kind: str, overrides: "Sequence[tuple[str, str]]" = ()) -> None:
     """Quantize the GGUF `source` (written with half-range scales: `write_gguf(half=True)`) to `kind`
     (`QUANTIZED`) at `output` with llama.cpp's `llama_model_quantize`; `overrides`: (regex over tensor
     names, ggml type name such as "Q6_K") pairs that take precedence over the mix's choice, as

@@ -43,6 +43,7 @@ class GGUFVocab:
             writer.add_tokenizer_model("none")
 
     def _add_directory(self, writer: gguf.GGUFWriter, vocab_size: int) -> None:
+        assert self.directory is not None  # `add_to` calls this with one
         vocab = gguf.vocab.BpeVocab(self.directory)
         tokens, types = [], []
         for text, _score, kind in vocab.all_tokens():
@@ -58,6 +59,7 @@ class GGUFVocab:
         gguf.SpecialVocab(self.directory, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer)
 
     def _pre(self) -> str:
+        assert self.directory is not None  # called by `_add_directory`
         spec = json.loads((self.directory / "tokenizer.json").read_text()).get("pre_tokenizer") or {}
         for step in spec.get("pretokenizers", [spec]):
             regex = (step.get("pattern") or {}).get("Regex")

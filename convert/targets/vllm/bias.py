@@ -131,6 +131,7 @@ def carried_biases(weights: LayerWeights, layer_stats, figures: list) -> tuple[B
         entry["left_out"] = carrier.left_out
     for proj, bias in biases.items():
         if bias is not None:
+            assert carrier is not None  # made above: a q/k/v bias
             entry[proj] = output_error(getattr(weights, proj), bias, layer_stats, carrier)
     if weights.o_bias is not None:
         outputs = output_stats(layer_stats)

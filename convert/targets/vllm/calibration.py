@@ -124,6 +124,8 @@ def rotation_fit_observer(source, spec: AttentionSpec, config, samples: int = SA
         base = rotary_coefficients(u, groups, G)  # (H, d/2)
         attention = decoder.self_attn
         generator = torch.Generator().manual_seed(layer)
+        gram: torch.Tensor | int
+        rhs: torch.Tensor | int
         gram, rhs = 0, 0
         for window in x.split(1):  # one (1, L, D) window at a time: its probabilities are (H, L, L)
             L = window.shape[1]
@@ -138,6 +140,7 @@ def rotation_fit_observer(source, spec: AttentionSpec, config, samples: int = SA
                 q.cpu(), remainder.cpu(), rotary_key.cpu(), keys, inv_freq, rotary_freq, base
             )
             gram, rhs = gram + window_gram, rhs + window_rhs
+        assert isinstance(gram, torch.Tensor) and isinstance(rhs, torch.Tensor)  # x has at least one window
         layer_stats.rotation_fit = fit_rotation_stand_in(gram, rhs)
 
     return observe

@@ -3,6 +3,7 @@ layer at a time; `to_vllm_deepseek` the same in memory."""
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DeepseekV3Config
@@ -32,6 +33,11 @@ from convert.targets.vllm.rope import (
     rope_frequencies,
 )
 from convert.targets.vllm.rotary import rotary_directions
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,7 @@ def vllm_export(state_dict, config, choices: ExportChoices = ExportChoices()):
     return stream_export(state_dict, config, source, spec, choices)
 
 
-def resolve_vllm_spec(state_dict: dict, config) -> tuple[dict, StateDictSource, AttentionSpec]:
+def resolve_vllm_spec(state_dict: "Mapping[str, torch.Tensor]", config) -> tuple[dict, StateDictSource, AttentionSpec]:
     """(config dict, in-memory source, attention spec) of a model the vllm target exports."""
     return export_spec(state_dict, config, "vllm")
 
@@ -152,10 +158,10 @@ def stream_export(state_dict, config: dict, source: StateDictSource, spec: Atten
 class _ExportPlan:
     """What `vllm_export` resolved before the first tensor: its source, geometry and scales."""
 
-    state_dict: object  # name -> tensor mapping
+    state_dict: "Mapping[str, torch.Tensor]"
     source: StateDictSource
     spec: AttentionSpec
-    hf_src: object  # the source's transformers config
+    hf_src: "PretrainedConfig"  # the source's transformers config
     config: dict
     result: dict  # the export's config.json (its convert_export filled by `_export_tensors`)
     names: list  # pass-through tensors
@@ -176,6 +182,7 @@ def _export_tensors(plan: _ExportPlan, choices: ExportChoices):
     rope_dim = choices.rope_dim
     inv_freq, rotary_freq = rope_frequencies(plan.hf_src, spec.head_dim, rope_dim)  # (d/2,) each
     bias_slots = key_bias_slots(rotary_freq, fold(spec.head_dim, rope_dim), choices.span)  # (rope_dim/2,)
+    carried: list[dict[str, float]]  # the bias figures of the layers with biases (`carried_biases`)
     retained, fitted, compressed, carried = [], [], [], []
     for layer in range(spec.n_layers):
         weights = read_layer(plan.source, spec, layer)
@@ -207,6 +214,7 @@ def _export_record(
     exact = not needs_calibration(spec, config, bool(carried), rope_dim) and not any(compressed)
     biases = bias_summary(carried)
     if carried and "k" in carried[0]:
+        assert biases is not None  # carried is not empty
         biases["key_bias_rotary_slots"] = int(bias_slots.sum())
     return {
         "target": "vllm",

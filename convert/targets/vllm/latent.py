@@ -3,6 +3,7 @@
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,10 @@ from convert.targets.vllm.nope_fit import rotary_coefficients
 from convert.targets.vllm.rotary import rotary_key_weights, rotate_half_pairs
 from convert.transform import LayerWeights
 
+if TYPE_CHECKING:
+    from convert.compress.calibrate import LayerStats
+    from convert.compress.sequential import SequentialStats
+
 
 @dataclass(frozen=True)
 class LatentFit:
@@ -35,8 +40,8 @@ class LatentFit:
     `rope_dim`: the rotary key's width (`latent_content_rank`)."""
 
     rank: int = LATENT_DIMS
-    layer_stats: object = None
-    inputs: object = None
+    layer_stats: "LayerStats | None" = None
+    inputs: "SequentialStats | None" = None
     shrinkage: float = 0.0
     rope_dim: int = ROPE_DIM
 
@@ -57,9 +62,11 @@ def latent_factor(
     if need <= rank:
         return weighted_factor(content, need), False
     row_weight, alpha = None, fit.shrinkage
-    if getattr(layer_stats, "key_fisher", None) is not None:
+    key_fisher = getattr(layer_stats, "key_fisher", None)
+    if key_fisher is not None:
+        assert layer_stats is not None and layer_stats.value_fisher is not None  # gathered with key_fisher
         row_weight = torch.block_diag(
-            psd_sqrt(ridge(shrunk(layer_stats.key_fisher.double(), alpha))),
+            psd_sqrt(ridge(shrunk(key_fisher.double(), alpha))),
             psd_sqrt(ridge(shrunk(layer_stats.value_fisher.double(), alpha))),
         )
     if inputs is not None:  # measured in the compressed model, beside the cross moment it is solved with

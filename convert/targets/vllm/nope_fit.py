@@ -4,6 +4,8 @@ The vllm export keeps one rotary mixture of the G key heads per frequency; the r
 each head's position-free score is fitted by least squares on calibration text, with two fixed 2×2 maps per frequency.
 """
 
+from typing import cast
+
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
@@ -62,6 +64,7 @@ def fit_normal_equations(
         target = (cos * dot + sin * cross).sum(-1)  # (L, S): q·R(-θΔ)r over all j
         x0, y0 = kh[..., :half], kh[..., half:]
         if folded:
+            assert rotary_freq is not None and base is not None  # folded: rotary_freq is given, and base with it
             angle_rot = delta * rotary_freq.double()  # (L, S, d/2)
             cos_rot, sin_rot = angle_rot.cos(), angle_rot.sin()
             exact = (cos * (a * x0 + b * y0) + sin * (a * y0 - b * x0)) * base[h].double()  # at θ
@@ -71,6 +74,7 @@ def fit_normal_equations(
         x0, y0 = cos_rot * x0 + sin_rot * y0, cos_rot * y0 - sin_rot * x0  # R(-θ'Δ)k0
         rot_dot, rot_cross = a * x0 + b * y0, a * y0 - b * x0  # (L, S, d/2)
         if folded:
+            assert base is not None  # folded: given with rotary_freq
             target = target - (rot_dot * base[h].double()).sum(-1)  # what vLLM's rotary part gives
         features = torch.cat([dot, cross, rot_dot, rot_cross], dim=-1).reshape(-1, 2 * d)  # (L·S, 2d)
         gram[h] = features.T @ features
@@ -159,8 +163,10 @@ def attention_probabilities(attention: torch.nn.Module, x: torch.Tensor, rotary,
     family: q_proj, k_proj, `scaling`) on its normed input x (B, L, D), as its eager path."""
     B, L, _ = x.shape
     head_dim = attention.head_dim
-    q = attention.q_proj(x).view(B, L, -1, head_dim).transpose(1, 2)  # (B, H, L, d)
-    k = attention.k_proj(x).view(B, L, -1, head_dim).transpose(1, 2)  # (B, G, L, d)
+    # cast: torch types a Module's attributes Tensor | Module
+    q_proj, k_proj = cast(torch.nn.Module, attention.q_proj), cast(torch.nn.Module, attention.k_proj)
+    q = q_proj(x).view(B, L, -1, head_dim).transpose(1, 2)  # (B, H, L, d)
+    k = k_proj(x).view(B, L, -1, head_dim).transpose(1, 2)  # (B, G, L, d)
     cos, sin = rotary
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     k = repeat_kv(k, q.shape[1] // k.shape[1])  # (B, H, L, d)

@@ -56,11 +56,12 @@ def note(info: dict) -> str:
         return text + "Exact: one key/value head of head_dim 64 fits vLLM's 64 shared rotary dims."
     kept = [e for e in info["rotary_key_energy_kept"] if e is not None]
     share = f" (they carry {100 * sum(kept) / len(kept):.1f}% of the key energy)" if kept else ""
-    stand_in = {
+    stand_ins: dict[str | None, str] = {  # by info's position_free_terms (None: it names none)
         "fit": " and replaced by fixed 2x2 maps per head and frequency, on those terms and on the rotary query, "
         "fitted on the calibration text (least squares on key samples drawn from the attention)",
         "nope": " (the terms kept unrotated)",
-    }.get(info.get("position_free_terms"), f" (stand-in: {info.get('position_free_terms')})")
+    }
+    stand_in = stand_ins.get(info.get("position_free_terms"), f" (stand-in: {info.get('position_free_terms')})")
     f = info.get("frequency_fold", 1)
     components = f"{G} key heads' rotary pairs" if f == 1 else f"{G} key heads' {f} folded frequency pairs"
     folded = (

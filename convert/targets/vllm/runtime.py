@@ -105,7 +105,7 @@ def match_vllm_norms(model) -> None:
     model.untrained_parameters = VLLM_SKIPS
 
 
-def _match_vllm_norm(attention: torch.nn.Module, eps: float) -> None:
+def _match_vllm_norm(attention: DeepseekV3Attention, eps: float) -> None:
     """A DeepseekV3Attention's latent norm as vLLM computes it: as it is with the latent bias
     (`NORM_ROWS`), else with its eps (transformers names it variance_epsilon) set to `eps`. With the
     bias, training leaves the norm rows' weights at zero (`_hold_norm_rows`, where the weight is
