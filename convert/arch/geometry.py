@@ -8,7 +8,7 @@ asks here rather than repeating the defaults.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 
 def n_kv_heads(config: Mapping[str, Any]) -> int:
@@ -19,14 +19,6 @@ def n_kv_heads(config: Mapping[str, Any]) -> int:
 def head_dim(config: Mapping[str, Any]) -> int:
     """Dims per head: ``head_dim``, else ``hidden_size // num_attention_heads`` (transformers' default)."""
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-
-
-def rope_type(config: Mapping[str, Any]) -> str:
-    """The RoPE type config.json names (transformers 5's ``rope_parameters``, else the older ``rope_scaling``,
-    ``rope_type`` or its older ``type``), ``default`` when it names none."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    # cast: config.json's values are untyped (mypy reads a get with an Any default as possibly None)
-    return cast(str, rope.get("rope_type", rope.get("type", "default"))) if isinstance(rope, dict) else "default"
 
 
 def head_dim_if_known(config: Mapping[str, Any]) -> int | None:

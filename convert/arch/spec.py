@@ -13,6 +13,7 @@ from typing import Any
 from convert.arch.registry import HEAD_MAPS, ArchSpec, TensorRule, find_arch, tied_embeddings
 from convert.arch.validate import check_config
 from convert.errors import ConvertError
+from convert.rope.config import parameter_sets
 
 
 @dataclass(frozen=True)
@@ -151,22 +152,13 @@ def _refuse_qk_norm(arch: ArchSpec, keys: Iterable[str]) -> None:
         )
 
 
-def _rope_dicts(config: dict) -> list[tuple[str, dict]]:
-    """(field, parameters) of every RoPE parameter set: rope_parameters and rope_scaling, and per
-    layer type where transformers 5 nests them (types already checked by `check_config`)."""
-    found: list[tuple[str, dict]] = []
-    for field in ("rope_parameters", "rope_scaling"):
-        params = config.get(field) or {}
-        nested = params and all(isinstance(v, dict) for v in params.values())
-        found += [(f"{field}.{k}", v) for k, v in params.items()] if nested else [(field, params)]
-    return found
-
-
 def _check_rope_config(config: dict, arch: ArchSpec, head_dim: int) -> int | None:
     """Refuse what the RoPE config asks that convert does not do; returns the rotary dims per head
     when only part of each head rotates (a family with partial RoPE), else None."""
     factors: list[tuple[str, Any]] = [("partial_rotary_factor", config.get("partial_rotary_factor"))]  # config.json's
-    factors += [(f"{field}.partial_rotary_factor", p.get("partial_rotary_factor")) for field, p in _rope_dicts(config)]
+    factors += [
+        (f"{field}.partial_rotary_factor", p.get("partial_rotary_factor")) for field, p in parameter_sets(config)
+    ]
     factors = [(field, factor) for field, factor in factors if factor is not None and factor != 1.0]
     rotary_dim = None
     for field, factor in factors:

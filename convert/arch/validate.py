@@ -10,6 +10,7 @@ from typing import Any
 
 from convert.arch import geometry
 from convert.errors import ConvertError
+from convert.rope import config as rope_config
 
 #: The largest integer a dimension or count may be: real models are far below it.
 MAX_INT = 2**31 - 1
@@ -205,7 +206,7 @@ def check_config(config: dict, where: str = "config.json") -> None:
     for field, (checker, nullable) in TOP_LEVEL.items():
         if field in config and not (nullable and config[field] is None):
             check_field(where, field, config[field], checker)
-    for field in ("rope_parameters", "rope_scaling"):
+    for field in rope_config.FIELDS:
         if config.get(field) is not None:
             check_rope(config[field], field, config, where)
     _check_layer_types(config, where)
@@ -222,7 +223,7 @@ def check_rope(params: Any, field: str, config: dict, where: str) -> None:
         for layer_type, per_type in params.items():
             check_rope(per_type, f"{field}.{layer_type}", config, where)
         return
-    rope_type = _rope_type(params, field, where)
+    rope_type = _checked_rope_type(params, field, where)
     for key, checker in ROPE_FIELDS.items():
         if key in params:
             check_field(where, f"{field}.{key}", params[key], checker)
@@ -234,7 +235,7 @@ def check_rope(params: Any, field: str, config: dict, where: str) -> None:
     _check_rope_consistency(params, field, config, where)
 
 
-def _rope_type(params: dict, field: str, where: str) -> str:
+def _checked_rope_type(params: dict, field: str, where: str) -> str:
     """The RoPE variant, from `rope_type` (or the older `type`); the two must agree."""
     for key in ("rope_type", "type"):
         if key in params and params[key] not in ROPE_TYPES:

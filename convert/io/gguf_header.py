@@ -18,6 +18,7 @@ from typing import Any
 
 from convert.arch import geometry
 from convert.errors import ConvertError
+from convert.rope.scaling import llama3_factors
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # v1 counted in 32 bits; llama.cpp has written v3 since 2023
@@ -531,22 +532,6 @@ def small_floats(header: GGUFHeader, name: str, count: int) -> list[float]:
     if len(data) != info.nbytes:
         raise _refuse(header.path, f"{name} ends early (file shrank while open?)")
     return [_shortest(v) for v in struct.unpack(f"<{count}f", data)]
-
-
-def llama3_factors(theta: float, n_rot: int, factor: float, low: float, high: float, original: int) -> list[float]:
-    """The frequency divisors llama.cpp's convert_hf_to_gguf.py writes as rope_freqs for a Llama 3
-    rope_scaling (its `generate_extra_tensors`)."""
-    out = []
-    for i in range(0, n_rot, 2):
-        wavelen = 2 * math.pi * theta ** (i / n_rot)
-        if wavelen < original / high:
-            out.append(1.0)
-        elif wavelen > original / low:
-            out.append(factor)
-        else:
-            smooth = (original / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return out
 
 
 def _llama3_scaling(header: GGUFHeader, theta: float, n_rot: int) -> dict[str, Any]:

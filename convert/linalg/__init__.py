@@ -7,7 +7,13 @@ imported from `convert.linalg.weighted`, not re-exported.
 from convert.linalg.absorb import absorb_output, absorb_query
 from convert.linalg.factor import Factor, joint_factor, numerical_rank, real_factor, work_dtype
 from convert.linalg.heads import expand_groups, group_of_head, tile_rows
-from convert.linalg.rope import aligned_rope_factor, latent_groups, latent_ungroup, partial_rope_factor, rope_factor
+from convert.linalg.rope_factor import (
+    aligned_rope_factor,
+    latent_groups,
+    latent_ungroup,
+    partial_rope_factor,
+    rope_factor,
+)
 
 __all__ = [
     "Factor",

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from convert.linalg.factor import Factor
-from convert.linalg.rope import _rotation_blocks, complex_pairs
+from convert.rope.rotation import complex_pairs, rotation_blocks
 
 
 @dataclass
@@ -159,7 +159,7 @@ def weighted_rope_factor(
     down_c = torch.einsum("pg,pgx->px", u_sel.conj(), b[j])  # (P, X): U_rᴴ diag(w) A_j
     up_c = _refit_pairs(a, down_c, j, moment, cross)  # (P, G)
     down = torch.cat([down_c.real, down_c.imag])  # (2P, X)
-    up = _rotation_blocks(up_c, j, weight.shape[0] // n_kv_heads)
+    up = rotation_blocks(up_c, j, weight.shape[0] // n_kv_heads)
     return Factor(up=up, down=down, singular_values=s.reshape(-1), kept=s[j, t], freq_index=j)
 
 

@@ -7,10 +7,11 @@ the latent) and factored (keys and values up-projected per head at run time, the
 import torch
 from torch import nn
 
-from convert.linalg.rope import latent_groups, latent_ungroup
+from convert.linalg.rope_factor import latent_groups, latent_ungroup
 from convert.mla.config import LayerEntry, MLASection
 from convert.mla.kernels import attend_eager, attend_sdpa, cols, linear_cols_add, linear_rows, merge_heads, sliceable
-from convert.mla.rope import apply_rope, cached_positions, latent_rope
+from convert.mla.latent_rope import cached_positions, latent_rope
+from convert.rope.rotation import apply_rope
 
 
 class QKNorm(nn.Module):

@@ -24,9 +24,3 @@ def test_head_dim_is_unknown_without_the_fields_it_defaults_from():
     assert geometry.head_dim_if_known({"head_dim": 64}) == 64
     assert geometry.head_dim_if_known(QWEN25_15B) == 128
 
-
-def test_rope_type_reads_either_field_and_either_key():
-    assert geometry.rope_type(QWEN25_15B) == "default"
-    assert geometry.rope_type({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}) == "llama3"
-    assert geometry.rope_type({"rope_scaling": {"type": "linear", "factor": 2.0}}) == "linear"  # the older key
-    assert geometry.rope_type({"rope_parameters": {"rope_theta": 1e6}}) == "default"

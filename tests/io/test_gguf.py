@@ -24,7 +24,7 @@ from convert.errors import ConvertError
 from convert.hf import load_original
 from convert.io import open_checkpoint
 from convert.io.gguf import GGUFCheckpoint
-from convert.io.gguf_header import llama3_factors
+from convert.rope.scaling import llama3_factors
 from convert.text import model_tokenizer
 
 from conftest import REPO, hf_model, random_ids

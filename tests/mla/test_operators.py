@@ -1,4 +1,4 @@
-"""The attention's own operators (`convert.mla.rope.latent_rope`, `convert.mla.kernels.merged_value_heads`):
+"""The attention's own operators (`convert.mla.latent_rope.latent_rope`, `convert.mla.kernels.merged_value_heads`):
 the values and gradients of the traced code they stand for, bit for bit; torch.library's own checks
 (schemas, fake tensors, autograd, AOT dispatch); and that a compiled absorbed compression reaches
 Inductor through them, with no graph break and eager's loss and gradients."""
@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 
 import convert
 from convert.mla.kernels import merge_heads, merged_value_heads, merged_value_heads_backward
-from convert.mla.rope import apply_rope, latent_cos_sin, latent_rope, latent_rope_backward
+from convert.mla.latent_rope import latent_rope, latent_rope_backward
+from convert.rope.rotation import apply_rope, latent_cos_sin
 
 from conftest import TINY_LLAMA, random_ids, rel_err
 

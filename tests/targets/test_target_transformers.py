@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import save_file
 
 from convert.errors import ConvertError
-from convert.targets.deepseek import interleave_rows, longrope_factors, square_width, to_deepseek_v3
+from convert.rope.frequencies import longrope_factors
+from convert.targets.deepseek import interleave_rows, square_width, to_deepseek_v3
 
 FLOAT32_TOL = 1e-5
 # transformers' DeepseekV3RMSNorm computes in float32 even for float64 inputs, so the value

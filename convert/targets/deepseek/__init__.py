@@ -14,7 +14,7 @@ from convert.targets.deepseek.export import (
     pass_through_names,
     to_deepseek_v3,
 )
-from convert.targets.deepseek.rope import SourceRope, longrope_factors, source_rope
+from convert.targets.deepseek.rope import SourceRope, source_rope
 from convert.targets.deepseek.tensors import DeepseekGeometry, attention_tensors, interleave_rows, square_width
 
 __all__ = [
@@ -31,7 +31,6 @@ __all__ = [
     "export_spec",
     "exporting",
     "interleave_rows",
-    "longrope_factors",
     "pass_through_names",
     "source_rope",
     "square_width",

@@ -5,11 +5,11 @@ multiplier, and the check that the built model installed them."""
 from dataclasses import dataclass
 
 import torch
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
 from convert.errors import ConvertError
 from convert.hf import hf_classes
+from convert.rope.frequencies import longrope_factors, longrope_inv_freq
 
 # Source RoPE types whose inverse frequencies are fixed at load time (longrope: two fixed sets).
 EXACT_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -26,28 +26,6 @@ class SourceRope:
     long_inv_freq: torch.Tensor
     attention_factor: float
     original_max_position_embeddings: int
-
-
-def longrope_factors(inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per pair the float32 f with float32(1/f) == inv_freq, as longrope computes it at rope_theta 1.
-
-    inv_freq: (P,) float32. Returns (factors (P,) float32, error in units of the
-    target's last place (P,)): 0 wherever float32 division reaches the target, which
-    it does for every inverse frequency transformers computes as 1/base^x; where it
-    cannot (1/f is not onto the floats) the nearest is taken, 1 ulp off.
-    """
-    target = inv_freq.to(torch.float32)
-    start = (1.0 / target.double()).to(torch.float32)  # (P,)
-    candidates, up, down = [start], start, start
-    for _ in range(4):
-        up, down = torch.nextafter(up, up + 1), torch.nextafter(down, down - 1)
-        candidates += [up, down]
-    cand = torch.stack(candidates, dim=1)  # (P, 9)
-    miss = ((1.0 / cand).double() - target.double()[:, None]).abs()  # float32 division, as transformers
-    best = miss.argmin(dim=1)
-    factors = cand.gather(1, best[:, None])[:, 0]
-    ulp = (torch.nextafter(target, target + 1) - target).double()
-    return factors, miss.gather(1, best[:, None])[:, 0] / ulp
 
 
 def source_rope(hf_config, arch: str) -> SourceRope:
@@ -69,8 +47,7 @@ def source_rope(hf_config, arch: str) -> SourceRope:
     long_inv_freq = inv_freq
     if rope_type == "longrope":
         original_max = hf_config.rope_parameters["original_max_position_embeddings"]
-        long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=original_max + 1)
-        long_inv_freq = long_inv_freq.to(torch.float32)
+        long_inv_freq = longrope_inv_freq(hf_config, original_max)
     return SourceRope(rope_type, inv_freq, long_inv_freq, float(rotary.attention_scaling), int(original_max))
 
 
@@ -97,7 +74,7 @@ def deepseek_rope_parameters(rope: SourceRope, n_kv_heads: int) -> tuple[dict, f
 def check_installed_rope(config, rope: SourceRope, n_kv_heads: int) -> None:
     """The installed DeepseekV3 rotary gives the source's frequencies: transformers is the truth."""
     rotary = DeepseekV3RotaryEmbedding(config)
-    long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=rope.original_max_position_embeddings + 1)
+    long = longrope_inv_freq(config, rope.original_max_position_embeddings)
     for got, want, which in ((rotary.inv_freq, rope.inv_freq, "short"), (long, rope.long_inv_freq, "long")):
         want = want.repeat(n_kv_heads)
         if (

@@ -10,12 +10,13 @@ from pathlib import Path
 import gguf
 import torch
 
-from convert.arch import AttentionSpec, geometry
+from convert.arch import AttentionSpec
 from convert.errors import ConvertError, EnvironmentFailure
 from convert.hf import build_causal_lm, load_strict
 from convert.io.reader import dtype_itemsize
 from convert.layouts import attention_view
 from convert.options import dtype_name
+from convert.rope import config as rope_config
 from convert.source import LazyTensors, StateDictSource
 from convert.targets import Build
 from convert.targets.deepseek import check_deepseek, export_sizes, export_spec
@@ -54,7 +55,7 @@ def _check_family(config: dict) -> None:
             f"--target llamacpp: hidden_act={act!r}, and llama.cpp's deepseek2 MLP is SwiGLU (silu) only; "
             "use --target mla"
         )
-    kind = geometry.rope_type(config)
+    kind = rope_config.rope_type(config)
     if kind != "default":
         raise ConvertError(
             f"--target llamacpp: rope_type={kind!r} is not written for llama.cpp yet (default RoPE only); "

@@ -10,9 +10,10 @@ from convert.compress.sequential import SequentialCalibration
 from convert.hf import hf_config
 from convert.linalg.heads import group_of_head
 from convert.progress import progress_bar
+from convert.rope.frequencies import fold
 from convert.source import read_layer
 from convert.targets.vllm.bias import observers, output_observer
-from convert.targets.vllm.geometry import ROPE_DIM, fold
+from convert.targets.vllm.geometry import ROPE_DIM
 from convert.targets.vllm.nope_fit import (
     SAMPLES,
     attention_probabilities,

@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DeepseekV3Config
 
-from convert.arch import AttentionSpec, geometry
+from convert.arch import AttentionSpec
 from convert.hf import hf_config
+from convert.rope import config as rope_config
+from convert.rope.frequencies import fold
 from convert.source import StateDictSource, check_layer, read_layer
 from convert.targets.deepseek import as_dtype, check_exportable, deepseek_config_fields, export_spec, pass_through_names
 from convert.targets.vllm.bias import bias_summary, carried_biases, key_bias_slots
@@ -21,7 +23,6 @@ from convert.targets.vllm.geometry import (
     NORM_ROWS,
     ROPE_DIM,
     cache_values_per_layer,
-    fold,
     latent_content_rank,
     vllm_geometry,
 )
@@ -228,7 +229,7 @@ def _export_record(
         "frequency_fold": fold(spec.head_dim, rope_dim),
         "rotary_key_energy_kept": retained,
         "position_free_terms": "exact" if exact else (choices.stand_in if all(fitted) else "nope"),
-        "source_rope_type": geometry.rope_type(config),
+        "source_rope_type": rope_config.rope_type(config),
         "latent_content_dims": latent_content_rank(spec, rope_dim),
         "latent_dims_used": min(choices.rank, latent_content_rank(spec, rope_dim), spec.hidden_size),
         "latent_compressed": any(compressed),

@@ -4,6 +4,7 @@ head, and the latent norm made linear (`NORM_ROWS`)."""
 import torch
 
 from convert.arch import AttentionSpec
+from convert.rope.frequencies import fold
 
 KV_LORA_RANK = 512
 ROPE_DIM = 64
@@ -24,12 +25,6 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 def cache_values_per_layer(rope_dim: int = ROPE_DIM) -> int:
     """What vLLM caches per token per layer: the latent and the shared rotary key."""
     return KV_LORA_RANK + rope_dim
-
-
-def fold(head_dim: int, rope_dim: int = ROPE_DIM) -> int:
-    """How many source frequency pairs share one of the rotary key's rope_dim/2 slots: f = d / rope_dim
-    (vLLM's 64 dims: 32 slots; llama.cpp reads the width from the file: d dims, f = 1)."""
-    return head_dim // rope_dim
 
 
 def latent_content_rank(spec: AttentionSpec, rope_dim: int = ROPE_DIM) -> int:

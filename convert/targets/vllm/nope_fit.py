@@ -12,11 +12,6 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 SAMPLES = 32  # keys drawn per query (bench/vllm_variants.py compares 16)
 
 
-def rope_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
-    """θ_j of default RoPE, (d/2,) float64: pair j = (j, j + d/2) turns by θ_j per position."""
-    return theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-
-
 def sample_keys(probs: torch.Tensor, samples: int, generator: torch.Generator) -> torch.Tensor:
     """(H, L, samples) key positions n drawn from each query's probabilities probs (H, L, L)."""
     H, L, _ = probs.shape

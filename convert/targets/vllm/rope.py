@@ -3,13 +3,13 @@ and the refusals of what vLLM would serve wrongly."""
 
 import torch
 from transformers import DeepseekV3Config
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from convert.arch import AttentionSpec, geometry
+from convert.arch import AttentionSpec
 from convert.errors import ConvertError
+from convert.rope.config import rope_type as config_rope_type
+from convert.rope.frequencies import fold, transformers_inv_freq
 from convert.targets.vllm.bias import biased_projections
-from convert.targets.vllm.geometry import DTYPES, ROPE_DIM, fold
-from convert.targets.vllm.nope_fit import rope_inv_freq
+from convert.targets.vllm.geometry import DTYPES, ROPE_DIM
 
 
 def check_vllm_exportable(
@@ -28,7 +28,7 @@ def check_vllm_exportable(
             f"attention biases on {', '.join(p + '_proj' for p in biased)}: vLLM's DeepSeek-V3 has no attention "
             "biases, so the export carries them in the weights on calibration inputs; give --calib TEXT"
         )
-    rope_type = geometry.rope_type(config)
+    rope_type = config_rope_type(config)
     if rope_type not in ("default", "llama3"):
         raise ConvertError(
             f"config.json rope_type={rope_type!r}: vLLM rewrites any non-default RoPE of DeepSeek-V3 to "
@@ -51,7 +51,7 @@ def needs_calibration(
 ) -> bool:
     """More than one key pair per rotary slot (G > 1 or d > rope_dim), a source RoPE vLLM turns at
     other frequencies (llama3), or q/k/v biases (`biased`): the export is lossy and calibrated."""
-    rope_type = geometry.rope_type(config) if config is not None else "default"
+    rope_type = config_rope_type(config) if config is not None else "default"
     return spec.n_kv_heads * fold(spec.head_dim, rope_dim) > 1 or rope_type != "default" or biased
 
 
@@ -83,19 +83,11 @@ def rope_frequencies(hf_src, head_dim: int, rope_dim: int = ROPE_DIM) -> tuple[t
     """(θ_j the source turns pair j by, θ'_j the export turns pair j's rotary key by), each (d/2,)
     float64, as transformers computes them (the source's rotary embedding; DeepseekV3's on the
     export's `rope_parameters` with a `rope_dim`-dim rotary key, slot s = pair j // f)."""
-
-    def init(config, dim: int) -> torch.Tensor:
-        # dim given, not read from the config: published Qwen2/Mistral configs have no head_dim
-        rope_type = config.rope_parameters.get("rope_type", "default")
-        if rope_type == "default":
-            return rope_inv_freq(float(config.rope_parameters["rope_theta"]), dim)
-        return ROPE_INIT_FUNCTIONS[rope_type](config)[0].double()
-
-    source = init(hf_src, head_dim)  # (d/2,)
+    source = transformers_inv_freq(hf_src, head_dim)  # (d/2,)
     export = DeepseekV3Config(
         qk_rope_head_dim=rope_dim,
         rope_parameters=export_rope_parameters(hf_src),
         max_position_embeddings=hf_src.max_position_embeddings,
     )
-    slots = init(export, rope_dim)  # (rope_dim/2,)
+    slots = transformers_inv_freq(export, rope_dim)  # (rope_dim/2,)
     return source, slots.repeat_interleave(fold(head_dim, rope_dim))

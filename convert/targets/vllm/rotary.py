@@ -5,15 +5,11 @@ import torch
 
 from convert.arch import AttentionSpec
 from convert.linalg.heads import group_of_head
-from convert.targets.vllm.geometry import ROPE_DIM, fold
+from convert.rope.frequencies import fold
+from convert.rope.rotation import rotate_half_pairs
+from convert.targets.vllm.geometry import ROPE_DIM
 from convert.targets.vllm.nope_fit import key_remainder, rotary_mixture
 from convert.transform import LayerWeights
-
-
-def rotate_half_pairs(head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """rotate_half's pair j: rows (j, j + d/2), each (d/2,) long."""
-    half = head_dim // 2
-    return torch.arange(half), torch.arange(half) + half
 
 
 def rotary_direction(cov: torch.Tensor, weight: torch.Tensor, iterations: int = 100) -> torch.Tensor:

@@ -1,31 +1,12 @@
-"""RoPE on queries, keys and latents (rotate_half, as the source computes it), and the positions a
-factored layout's cache keeps beside its latents so that cached keys rotate at their own positions."""
+"""The latent's RoPE as one operator (`latent_rope`, forward and backward), and the positions a factored
+layout's cache keeps beside its latents so that cached keys rotate at their own positions (the rotation
+itself: `convert.rope.rotation`)."""
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """rotate_half RoPE, the convention of HF Llama/Mistral/Qwen2, on the first cos.shape[-1] dims
-    of x; the others pass unrotated (partial RoPE's NoPE dims, and a latent's NoPE part)."""
-    rotary = cos.shape[-1]
-    if rotary == x.shape[-1]:
-        return _rotated(x, cos, sin)
-    head, tail = x[..., :rotary], x[..., rotary:]
-    return torch.cat([_rotated(head, cos, sin), tail], dim=-1)
-
-
-def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x·cos + rotate_half(x)·sin in one new tensor of x's size and memory layout (not three, and
-    not a contiguous copy: queries (B, H, L, d) viewed from a (B, L, H·d) projection keep that
-    layout, so SDPA's output, allocated like them, reshapes to (B, L, H·d) without a copy)."""
-    half = x.shape[-1] // 2
-    out = torch.empty_like(x)  # x's strides where x is dense
-    out[..., :half] = x[..., half:]
-    out[..., :half].neg_()
-    out[..., half:] = x[..., :half]
-    return out.mul_(sin).addcmul_(x, cos)
+from convert.rope.rotation import apply_rope, latent_cos_sin
 
 
 @torch.library.custom_op("convert::latent_rope", mutates_args=())
@@ -83,18 +64,6 @@ def _latent_rope_backward_grad(ctx, grad):  # a linear map's transpose, transpos
 
 latent_rope.register_autograd(_latent_rope_grad, setup_context=_save_angles)
 latent_rope_backward.register_autograd(_latent_rope_backward_grad, setup_context=_save_angles)
-
-
-def latent_cos_sin(cos: torch.Tensor, sin: torch.Tensor, freq_index: torch.Tensor):
-    """Source (…, d) cos/sin -> latent (…, r_K): pair p takes frequency freq_index[p].
-
-    Gathering from the source model's own cos/sin keeps every RoPE variant
-    (rope_theta, llama3/yarn/linear scaling, attention scaling) exactly as the
-    source computes it.
-    """
-    cos_p = cos.index_select(-1, freq_index)  # (…, P)
-    sin_p = sin.index_select(-1, freq_index)
-    return torch.cat([cos_p, cos_p], dim=-1), torch.cat([sin_p, sin_p], dim=-1)  # (…, 2P)
 
 
 def cached_positions(layer, positions: torch.Tensor) -> torch.Tensor:

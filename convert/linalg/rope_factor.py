@@ -1,4 +1,5 @@
-"""Exact absorption with RoPE keys: the per-frequency complex latent (docs/math.md, "RoPE").
+"""Exact absorption with RoPE keys: the per-frequency complex latent (docs/math.md, "RoPE"), the factorizations
+of rotating keys (the rotation itself: `convert.rope.rotation`).
 
 Each frequency's keys are factored by a complex SVD, so the latent rotates exactly as the keys do: latent pair p turns
 with source frequency `freq_index[p]`, and absorbing `up` into the queries is the ordinary `(W^{UK}_h)ᵀ W^Q_h`.
@@ -7,14 +8,7 @@ with source frequency `freq_index[p]`, and absorbing `up` into the queries is th
 import torch
 
 from convert.linalg.factor import Factor, real_factor
-
-
-def complex_pairs(weight: torch.Tensor, n_kv_heads: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """(G·d, X) real key weights -> (d/2, G, X) complex `A_j` per frequency j, of real part `dtype`."""
-    w = weight.to(dtype).reshape(n_kv_heads, -1, weight.shape[-1])  # (G, d, X)
-    half = w.shape[1] // 2
-    a = torch.complex(w[:, :half], w[:, half:])  # (G, d/2, X)
-    return a.permute(1, 0, 2)  # (d/2, G, X)
+from convert.rope.rotation import complex_pairs, rotation_blocks
 
 
 def _kept_pairs(s: torch.Tensor, n_pairs: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,27 +41,8 @@ def rope_factor(
     j, t = _kept_pairs(s, None if rank is None else rank // 2)
     c = s[j, t, None] * vh[j, t]  # (P, X) complex latent rows
     down = torch.cat([c.real, c.imag])  # (2P, X): [Re block; Im block]
-    up = _rotation_blocks(u[j, :, t], j, weight.shape[0] // n_kv_heads)  # (G·d, 2P)
+    up = rotation_blocks(u[j, :, t], j, weight.shape[0] // n_kv_heads)  # (G·d, 2P)
     return Factor(up=up, down=down, singular_values=s.reshape(-1), kept=s[j, t], freq_index=j)
-
-
-def _rotation_blocks(u_sel: torch.Tensor, freq: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Real (G·d, 2P) up-projection from the complex coefficients u_sel (P, G).
-
-    Key pair (g, j) = Σ_p U[g,p]·c_p, written out in real and imaginary parts:
-        k[j]       = Re U · Re c − Im U · Im c
-        k[j + d/2] = Im U · Re c + Re U · Im c
-    """
-    n_pairs, n_groups = u_sel.shape
-    half = head_dim // 2
-    p = torch.arange(n_pairs)
-    up = torch.zeros(n_groups, head_dim, 2 * n_pairs, dtype=u_sel.real.dtype)  # (G, d, 2P)
-    coeff = u_sel.T  # (G, P)
-    up[:, freq, p] = coeff.real
-    up[:, freq, n_pairs + p] = -coeff.imag
-    up[:, freq + half, p] = coeff.imag
-    up[:, freq + half, n_pairs + p] = coeff.real
-    return up.reshape(n_groups * head_dim, 2 * n_pairs)  # (G·d, 2P)
 
 
 def partial_rope_factor(weight: torch.Tensor, n_kv_heads: int, rotary_dim: int) -> Factor:
