@@ -23,4 +23,3 @@ def test_head_dim_is_unknown_without_the_fields_it_defaults_from():
     assert geometry.head_dim_if_known({"num_attention_heads": 12}) is None
     assert geometry.head_dim_if_known({"head_dim": 64}) == 64
     assert geometry.head_dim_if_known(QWEN25_15B) == 128
-
