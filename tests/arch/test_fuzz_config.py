@@ -7,6 +7,7 @@ import random
 import shutil
 
 import fuzzing
+import pytest
 from fuzzing import CONFIG, SEED, Case, Tally, run_conversion
 
 from conftest import TINY_LLAMA
@@ -268,6 +269,7 @@ def config_cases(rng: random.Random) -> list[Case]:
     return cases
 
 
+@pytest.mark.slow
 def test_config_mutations(tmp_path):
     rng = random.Random(SEED + 1)
     cases = config_cases(rng)

@@ -201,6 +201,7 @@ def test_import_convert_registers_the_model_type():
     assert _fresh_python("import convert; " + REGISTERED) == ["True", "True"]
 
 
+@pytest.mark.slow
 def test_a_light_import_registers_on_first_use():
     code = "import sys, convert; print('torch' in sys.modules); convert.gqa2mla; " + REGISTERED
     assert _fresh_python(code, light=True) == ["False", "True", "True"]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import fuzzing
+import pytest
 from fuzzing import ATTENTION, CONFIG, HEADER, dump, pack, set_config, write_json
 
 from conftest import REPO, TINY_LLAMA
@@ -27,6 +28,7 @@ def _subprocess_case(tmp_path: Path, name: str, args: list, setup) -> subprocess
     return subprocess.Popen(command, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_refusals_through_a_real_process(tmp_path, converted):
     """The same refusals from `python -m convert`: exit 2, one `error:` line, nothing written.
     (Three processes started together: each spends most of its time importing torch and transformers.)"""

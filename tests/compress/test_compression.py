@@ -69,6 +69,7 @@ def test_weighted_factors_are_exact_at_full_rank_and_whitening_helps_when_trunca
     assert output_error(whitened) < output_error(weighted_factor(w, 8))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("layout", ["factored", "absorbed"])
 def test_cache_budget_is_met_and_reported(tiny, method, layout):
@@ -100,6 +101,7 @@ def test_ratio_one_is_the_exact_conversion(tiny):
     assert result.config["mla"]["compression"] is None and result.passed
 
 
+@pytest.mark.slow
 def test_lossy_round_trip_is_judged_by_max_ppl_ratio(tiny):
     src, calib, text = tiny
     args = [

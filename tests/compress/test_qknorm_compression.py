@@ -46,6 +46,7 @@ def test_exact_on_the_span_of_the_calibration_text(family, calibration):
         assert rel_err(converted(other).logits, model(other).logits) > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
 def test_fisher_budget_is_met_and_error_falls_with_the_cache(family):
     model = hf_model(family)
@@ -65,6 +66,7 @@ def test_fisher_budget_is_met_and_error_falls_with_the_cache(family):
     assert errors[0] < errors[1] < errors[2]
 
 
+@pytest.mark.slow
 def test_cli_writes_loads_and_verifies_a_compressed_qwen3(tmp_path):
     model = hf_model("qwen3")
     model.save_pretrained(tmp_path / "src", safe_serialization=True)

@@ -163,6 +163,7 @@ def _logit_error(state, model, ids) -> float:
     # first (the goal leaves the streams' drift out)
     [("llama", "factored"), ("llama", "absorbed"), ("olmo2", "factored")],
 )
+@pytest.mark.slow
 @pytest.mark.parametrize("queries", [64, 512])  # some of each 512-token window's positions a step, or all
 def test_refined_conversion_is_closer_to_the_original_on_unseen_tokens(family, layout, queries, request):
     if (family, layout, queries) == ("llama", "absorbed", 512):

@@ -45,6 +45,7 @@ def test_weighted_factor_refits_with_the_cross_moment():
     assert err(refit) < err(plain)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["factored", "absorbed"])
 def test_layer_zero_is_as_one_shot_and_later_layers_are_refit(layout):
     model = hf_model("llama", num_hidden_layers=3)

@@ -11,8 +11,8 @@ import convert
 from convert.compress import static_frequencies
 from convert.linalg import rope_factor
 from convert.linalg.weighted import decoupled_rope_factor, decoupled_spectrum, static_split
-from convert.rope.rotation import apply_rope, latent_cos_sin
 from convert.plan import plan_for_config
+from convert.rope.rotation import apply_rope, latent_cos_sin
 
 from conftest import hf_model
 

@@ -89,6 +89,7 @@ def test_another_machines_comparison_sees_a_changed_config():
         assert_same_structure(changed, recorded, "tampered", exact=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(fp.CASES))
 def test_tiny_llama_outputs_unchanged(case, tmp_path):
     calib = tmp_path / "tiny-calib.txt"  # the name the record was made with

@@ -5,9 +5,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_runs_small_on_cpu(tmp_path):
     cmd = [sys.executable, str(REPO / "bench" / "gpu.py"), "--small", "--steps", "2", "--out-dir", str(tmp_path)]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900)

@@ -176,6 +176,7 @@ def test_devil_text():
 # ---------------------------------------------------------------- model
 
 
+@pytest.mark.slow
 def test_smollm2_dir_loads_with_expected_config():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

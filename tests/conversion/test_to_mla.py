@@ -29,6 +29,7 @@ def _options(options: dict) -> dict:
 @pytest.mark.parametrize(
     ("model_type", "options"), CASES, ids=lambda c: c if isinstance(c, str) else "-".join(map(str, c.values()))
 )
+@pytest.mark.slow
 def test_to_mla_equals_the_cli_path(tmp_path, model_type, options):
     model = hf_model(model_type)
     model.save_pretrained(tmp_path / "src", safe_serialization=True)
@@ -75,6 +76,7 @@ def test_to_mla_trains_in_an_ordinary_loop():
     assert model(ids, labels=ids).loss.item() < loss.item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["transformers", "vllm"])
 def test_to_mla_export_target_equals_the_loaded_export(tmp_path, target):
     """An export target in memory is the DeepseekV3ForCausalLM `load_export` reads from the

@@ -59,6 +59,7 @@ def test_readme_times_are_the_benchmarks():
         assert example.stated_time == rx.format_time(row["seconds"]), (example.line, row["seconds"])
 
 
+@pytest.mark.slow
 def test_fast_examples_run_as_written(tmp_path):
     env = rx.prepare(tmp_path)
     for example in _kind("fast"):

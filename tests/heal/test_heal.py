@@ -35,6 +35,7 @@ def healed():
     return model, before, result
 
 
+@pytest.mark.slow
 def test_heal_lowers_the_held_out_kl(healed):
     _, _, result = healed
     before, after = result.report["before"], result.report["after"]
@@ -45,6 +46,7 @@ def test_heal_lowers_the_held_out_kl(healed):
     assert result.report["checks"]["tokens"] == 8192 // 16 and result.report["eval_tokens"] == 256
 
 
+@pytest.mark.slow
 def test_heal_trains_only_the_mla_projections(healed):
     model, before, result = healed
     changed = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
@@ -55,6 +57,7 @@ def test_heal_trains_only_the_mla_projections(healed):
     assert all(p.requires_grad for p in model.parameters())  # the flags are restored
 
 
+@pytest.mark.slow
 def test_a_model_healed_in_bf16_computes_as_its_weights_do_afterwards():
     """accelerate runs the student's forward under bf16 autocast; the healed module handed back has
     its own forward again (it kept the autocast: logits 1.3% off its own weights' in float32)."""
@@ -74,6 +77,7 @@ def test_heal_needs_the_original_for_a_module():
         convert.heal(model, _ids(64, 0), **HEAL)
 
 
+@pytest.mark.slow
 def test_checks_keep_a_diverging_heal_no_worse_than_the_unhealed_model():
     """At a rate far too high the KL blows up. The checks go back to the best weights at half the
     rate, so what is kept is the best model measured on the check tokens (the last sixteenth of
@@ -160,6 +164,7 @@ def test_cli_heal_names_its_output_as_the_user_typed_it(compressed, tmp_path, mo
     assert "; conv-healed/healing.md)" in result.stdout, result.stdout
 
 
+@pytest.mark.slow
 def test_cli_heal_writes_a_loadable_healed_directory(compressed, tmp_path):
     src, converted, train, held = compressed
     out = tmp_path / "healed"
@@ -230,6 +235,7 @@ def test_unset_sizes_are_the_devices_and_given_ones_kept():
         assert sizes["steps"] // sizes["check_every"] == 8
 
 
+@pytest.mark.slow
 def test_heal_finds_the_original_from_the_report(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(TINY_LLAMA, src)
@@ -255,6 +261,7 @@ def test_heal_of_a_module_wants_token_ids(tmp_path):
 # ------------------------------------------------------------------ export targets
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["vllm", "transformers"])
 def test_heal_an_export_through_its_transformers_twin(tmp_path, target):
     """A DeepSeek-V3 export is healed as transformers runs it (the vllm one with vLLM's latent-norm
@@ -307,6 +314,7 @@ def test_heal_an_export_through_its_transformers_twin(tmp_path, target):
         assert torch.allclose(reloaded(x).logits, result.model.eval()(x).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_heal_a_live_vllm_twin_from_to_mla():
     """`to_mla(model, target="vllm")` is the export's transformers twin in memory: healing it in a
     pipeline moves its attention tensors only, never the latent norm's pass-through."""
@@ -347,6 +355,7 @@ def test_the_report_warns_when_healing_moves_away_from_the_original():
     assert len(healing_warnings(worse)) == 2
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_and_micro_batches_change_memory_not_the_result():
     """Recomputing activations gives the same gradients; 2 micro-batches of 1 window accumulated
     train as one batch of 2 (the same windows: the order depends on the global batch only)."""

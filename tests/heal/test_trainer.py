@@ -63,6 +63,7 @@ def both(tmp_path_factory):
     return ours, result.report, theirs, trainer, checks
 
 
+@pytest.mark.slow
 def test_the_trainer_heals_as_convert_heal_does(both):
     ours, report, theirs, trainer, checks = both
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -78,6 +79,7 @@ def test_the_trainer_heals_as_convert_heal_does(both):
     assert report["after"]["kl_mean"] < report["before"]["kl_mean"]  # and it healed
 
 
+@pytest.mark.slow
 def test_the_trainer_trains_only_the_mla_projections(both):
     _, _, theirs, _, _ = both
     original = hf_model("llama")

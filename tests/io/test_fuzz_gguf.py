@@ -214,6 +214,7 @@ def api_outcome(path: Path) -> tuple[str, str]:
     return got
 
 
+@pytest.mark.slow
 def test_fuzz_gguf_through_the_reader(tmp_path, base):
     """Hundreds of mutations of a valid file, read as a conversion reads it."""
     rng = random.Random(SEED)

@@ -9,6 +9,7 @@ import shutil
 import struct
 
 import fuzzing
+import pytest
 from fuzzing import ATTENTION, DATA, HEADER, NAMES, SEED, Case, Tally, dump, pack, run_conversion
 
 from conftest import TINY_LLAMA
@@ -394,6 +395,7 @@ def header_cases(rng: random.Random) -> list[Case]:
     return cases
 
 
+@pytest.mark.slow
 def test_header_mutations(tmp_path):
     rng = random.Random(SEED)
     cases = header_cases(rng)

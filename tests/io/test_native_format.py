@@ -61,6 +61,7 @@ def test_save_pretrained_round_trips(converted, tmp_path):
         assert torch.equal(again(_ids()).logits, model(_ids()).logits)
 
 
+@pytest.mark.slow
 def test_transformers_alone_refuses_it(converted):
     code = f"from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained({str(converted)!r})"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

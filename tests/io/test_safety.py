@@ -428,6 +428,7 @@ def _stop(proc: subprocess.Popen, sig: int) -> tuple[int, str]:
     return proc.returncode, stderr
 
 
+@pytest.mark.slow
 def test_sigkill_mid_write_and_a_second_run(tmp_path, src, previous, caplog):
     old = _tree(previous)
     proc, tmp_dir = _start(tmp_path, src, previous, "write")
@@ -453,6 +454,7 @@ def test_sigkill_mid_write_and_a_second_run(tmp_path, src, previous, caplog):
     assert _hidden(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_sigint_mid_write(tmp_path, src, previous):
     old = _tree(previous)
     proc, tmp_dir = _start(tmp_path, src, previous, "write")
@@ -463,6 +465,7 @@ def test_sigint_mid_write(tmp_path, src, previous):
     assert not tmp_dir.exists() and _hidden(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_sigkill_between_renames_is_undone_by_the_next_run(tmp_path, src, previous):
     old = _tree(previous)
     proc, aside = _start(tmp_path, src, previous, "aside")
@@ -474,6 +477,7 @@ def test_sigkill_between_renames_is_undone_by_the_next_run(tmp_path, src, previo
     assert _hidden(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_sigint_waits_for_the_swap(tmp_path, src, previous):
     proc, aside = _start(tmp_path, src, previous, "aside", pause_s=3.0)
     code, stderr = _stop(proc, signal.SIGINT)

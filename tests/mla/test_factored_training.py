@@ -68,6 +68,7 @@ def test_a_dense_state_dict_loads_into_the_factors(original):
             model.load_state_dict(full)
 
 
+@pytest.mark.slow
 def test_maps_that_would_change_or_gain_nothing_stay_dense(original):
     """A map trained dense (no longer of rank d a head) stays dense; so do a compression's maps
     narrower than d (a quarter of the cache, where the allocation gives some layers fewer than
@@ -124,6 +125,7 @@ def test_the_range_finder_factors_as_the_svd_does(original, monkeypatch, dtype):
     assert lowrank._head_factors(heads[:, :, :16] @ torch.randn(4, 16, 64, dtype=torch.float64), 16, dtype)
 
 
+@pytest.mark.slow
 def test_trainer_trains_the_factors_and_writes_an_absorbed_checkpoint(original, tmp_path):
     """transformers' Trainer (gradient checkpointing, accumulation, a checkpoint at its last step)
     inside the context: the loss falls, the factors move, and both the checkpoint Trainer wrote inside
@@ -163,6 +165,7 @@ def test_trainer_trains_the_factors_and_writes_an_absorbed_checkpoint(original, 
         assert rel_err(_logits(reloaded, ids), inside) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.realdata
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_smollm2_factored_is_the_absorbed_model(smollm2_original, emma_ids, dtype):

@@ -73,6 +73,7 @@ def _figures(peaks, name) -> str:
 # factored 7,255,040 (0.85×). Before the heads were attended in chunks, 1.338×, 1.156× and 1.094×
 # (factored at half): the absorbed queries are G× the original's, the factored layout's up-projected
 # keys and values H/G×.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name in VARIANTS if name != "original"])
 def test_prefill_peak_at_most_the_originals(prefill_peaks, name):
     """The prefill's peak bytes allocated ≤ the original's (transformers' SDPA attention) × 1.0."""
@@ -80,6 +81,7 @@ def test_prefill_peak_at_most_the_originals(prefill_peaks, name):
     assert peak.bytes <= prefill_peaks["original"].bytes, _figures(prefill_peaks, name) + "\n" + peak.top(8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_no_score_tensor_in_a_prefill(prefill_peaks, name):
     """No (B, H, L, S) scores: no allocation that large, and the whole peak well below one."""

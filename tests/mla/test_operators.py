@@ -53,6 +53,7 @@ def test_latent_rope_in_bfloat16_with_float32_angles():
     assert rel_err(torch.autograd.grad(got, x, grad)[0], torch.autograd.grad(want, x, grad)[0]) <= 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width", [8, 11], ids=["all-rotary", "with-nope"])
 def test_latent_rope_operators_pass_torch_library_checks(width):
     """torch.library.opcheck (schema, fake tensor, autograd registration, AOT dispatch) of both
@@ -96,6 +97,7 @@ def tiny_original():
     return AutoModelForCausalLM.from_pretrained(TINY_LLAMA).eval()
 
 
+@pytest.mark.slow
 def test_compiled_absorbed_compression_reaches_inductor_through_the_operators(absorbed_compressed):
     """A training forward of an absorbed compression traced whole (`fullgraph=True`): every layer's
     latent RoPE (queries and keys) and padded output reach the compiler as the operators, and

@@ -108,6 +108,7 @@ def _bf16_cases():
     return [pytest.param(variant, True, id=f"{variant}-bf16") for variant in ("absorbed", "factored")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("variant", "bf16"), [*[pytest.param(v, False, id=v) for v in VARIANTS], *_bf16_cases()])
 def test_trainer_with_gradient_checkpointing_and_accumulation(make, tmp_path, variant, bf16):
     """2 optimizer steps of 2 micro-batches each: every micro-batch's attention runs twice (its

@@ -35,6 +35,7 @@ def ids(length: int = 40, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.slow
 def test_one_kv_head_is_exact_and_the_file_is_deepseek2(tmp_path):
     model = tiny_llama(1)
     result = converted(tmp_path, model)
@@ -52,6 +53,7 @@ def test_one_kv_head_is_exact_and_the_file_is_deepseek2(tmp_path):
     assert (got - want).abs().max() < 1e-3
 
 
+@pytest.mark.slow
 def test_head_dim_128_keeps_every_frequency_in_a_rotary_key_as_wide(tmp_path):
     """deepseek2 reads its rotary width from the file: at head_dim 128 the key is 128 wide, each source pair
     at its own frequency, so one key/value head is exact (vLLM's fixed 64 dims turn two pairs a slot, one at
@@ -69,6 +71,7 @@ def test_head_dim_128_keeps_every_frequency_in_a_rotary_key_as_wide(tmp_path):
         convert.gqa2mla(tmp_path / "src128", tmp_path / "vllm", target="vllm", progress=False)
 
 
+@pytest.mark.slow
 def test_the_gguf_is_the_only_weights_file_and_verify_reads_it(tmp_path):
     """No empty model.safetensors beside model.gguf (a loader would find it and build a model of no
     weights); `convert verify` checks the directory from its GGUF."""
@@ -80,6 +83,7 @@ def test_the_gguf_is_the_only_weights_file_and_verify_reads_it(tmp_path):
     assert list(report["inputs"]["converted"]["files"]) == ["model.gguf"]
 
 
+@pytest.mark.slow
 def test_three_kv_heads_are_lossy_and_judged_by_perplexity(tmp_path):
     text = tmp_path / "prose.txt"
     text.write_text(PROSE)
@@ -92,6 +96,7 @@ def test_three_kv_heads_are_lossy_and_judged_by_perplexity(tmp_path):
     assert target["perplexity_ratio"] < 1.5
 
 
+@pytest.mark.slow
 def test_kv_cache_ratio_compresses_the_latent_beside_the_rotary_key(tmp_path):
     """--kv-cache-ratio 0.5 of three heads' 384 values: 192 cached, 64 of them the rotary key, so a
     128-dim latent (of the 192 the hidden size allows), fitted on the calibration text; the file holds
@@ -116,6 +121,7 @@ def test_kv_cache_ratio_compresses_the_latent_beside_the_rotary_key(tmp_path):
         convert.gqa2mla(tmp_path / "src", tmp_path / "x", target="llamacpp", kv_cache_ratio=0.5, method="svd")
 
 
+@pytest.mark.slow
 def test_latent_multiple_pads_the_latent_with_zeros_or_rounds_a_compressed_rank_up(tmp_path):
     """--latent-multiple 128 (llama.cpp's CPU attention is several times as fast at such widths): the
     three-head export's 192 latent dims written as 256, the 64 more zeros, the model computed the same;
@@ -144,6 +150,7 @@ def test_latent_multiple_pads_the_latent_with_zeros_or_rounds_a_compressed_rank_
         convert.gqa2mla(tmp_path / "src", tmp_path / "x", target="vllm", latent_multiple=128)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_tied_embeddings_stay_tied_in_the_file(tmp_path, tied):
     """A tied model's file has no output.weight (llama.cpp reads token_embd; SmolLM2: 56 MB less in
@@ -162,6 +169,7 @@ def test_tied_embeddings_stay_tied_in_the_file(tmp_path, tied):
     assert (got - want).abs().max() < 2e-2
 
 
+@pytest.mark.slow
 def test_a_bfloat16_checkpoint_is_written_bf16_and_read_back_whole(tmp_path):
     """Users' checkpoints are bfloat16: the file's BF16 matrices have their full shapes (gguf reads a
     byte shape for raw data; an element shape halved every row once) and verify exactly."""
@@ -173,6 +181,7 @@ def test_a_bfloat16_checkpoint_is_written_bf16_and_read_back_whole(tmp_path):
     assert result.report["verdict"] == "PASS"
 
 
+@pytest.mark.slow
 def test_float16_file_rescales_and_stays_close(tmp_path):
     model = tiny_llama(1).to(torch.float16)
     result = converted(tmp_path, model)
@@ -186,6 +195,7 @@ def test_float16_file_rescales_and_stays_close(tmp_path):
     assert (got - want).abs().max() < 2e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gguf_type, ggml", [("F32", "F32"), ("F16", "F16"), ("bf16", "BF16")])
 def test_gguf_type_sets_the_files_tensor_type(tmp_path, gguf_type, ggml):
     """--gguf-type over the checkpoint's dtype (a float32 tiny Llama here), any case, as llama.cpp's
@@ -221,6 +231,7 @@ def test_quantized_types_need_the_engine_and_a_perplexity_bound(tmp_path, monkey
         convert.gqa2mla(tmp_path / "src", tmp_path / "out", target="llamacpp", gguf_type="q5_k")
 
 
+@pytest.mark.slow
 @needs_engine
 def test_q8_0_by_llama_cpps_quantizer_is_judged_by_perplexity(tmp_path):
     """--gguf-type Q8_0: llama.cpp's own quantizer writes the file (the F16 it read gone), the matrices
@@ -241,6 +252,7 @@ def test_q8_0_by_llama_cpps_quantizer_is_judged_by_perplexity(tmp_path):
     assert result.report["verdict"] == "PASS"
 
 
+@pytest.mark.slow
 @needs_engine
 def test_q4_k_m_keeps_the_latents_tensors_at_q8_0(tmp_path):
     """--gguf-type Q4_K_M: llama.cpp's mix for the rest, the latent's three tensors Q8_0 (its mix has no
@@ -258,6 +270,7 @@ def test_q4_k_m_keeps_the_latents_tensors_at_q8_0(tmp_path):
     assert "(the latent's tensors Q8_0)" in result.report["target"]["note"]
 
 
+@pytest.mark.slow
 @needs_engine
 def test_the_quantizer_takes_per_tensor_types_as_llama_quantize_does(tmp_path):
     """`quantize(..., overrides)`: the tensors a pattern names get its type (llama-quantize's
@@ -294,6 +307,7 @@ def test_refusals(tmp_path, make, options, match):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_tampered_file_fails_verification(tmp_path):
     converted(tmp_path, tiny_llama(1))
     path = tmp_path / "out" / "model.gguf"
@@ -343,6 +357,7 @@ def our_run(model, prompt: list[int], steps: int = 8) -> dict:
     return {"logp": [float(logp[i, t]) for i, t in enumerate(prompt[1:])], "greedy": greedy.tolist()}
 
 
+@pytest.mark.slow
 @needs_engine
 @pytest.mark.parametrize("flash_attn", [False, True], ids=["plain", "flash-attn"])
 @pytest.mark.parametrize("n_kv_heads, head_dim", [(1, 64), (3, 64), (2, 128)])
@@ -362,6 +377,7 @@ def test_llama_cpp_computes_what_we_wrote(tmp_path, n_kv_heads, head_dim, flash_
     assert ours["greedy"] == theirs["greedy"]
 
 
+@pytest.mark.slow
 @needs_engine
 def test_llama_cpp_computes_a_zero_padded_latent_as_we_do(tmp_path):
     """--latent-multiple 128: llama.cpp's flash attention over the 256-wide latent (64 dims zero)

@@ -221,6 +221,7 @@ def exported(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_exact_in_stock_transformers(case, exported):
     result = exported[case]
@@ -427,6 +428,7 @@ def test_window_not_shorter_than_context_is_accepted():
 # ------------------------------------------------------------------ the real model
 
 
+@pytest.mark.slow
 @pytest.mark.realdata
 def test_smollm2_in_stock_transformers(tmp_path):
     """SmolLM2-135M (GQA 9:3, d=64, tied embeddings): logits on Austen prose and greedy text."""

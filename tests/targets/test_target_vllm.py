@@ -122,6 +122,7 @@ def test_refusals(make, stats, kwargs, match):
         to_vllm_deepseek(make().state_dict(), make().config, ExportChoices(stats=stats, **kwargs))
 
 
+@pytest.mark.slow
 def test_api_writes_a_report_that_says_where_it_is_lossy(tmp_path):
     import convert
 
@@ -301,6 +302,7 @@ def test_the_exports_attention_takes_some_queries_against_every_key():
     assert torch.allclose(alone, wanted, atol=1e-5) and float(wanted.norm()) > 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("calibration", "refine_steps"), [(None, None), ("sequential", None), (None, 0)])
 def test_an_8b_shaped_source_is_compressed_into_the_latent_through_the_api(tmp_path, calibration, refine_steps):
     """Llama-3-8B's attention (G = 8 key heads of d = 128, llama3 RoPE; 16 query heads here,
@@ -351,6 +353,7 @@ def test_an_8b_shaped_source_is_compressed_into_the_latent_through_the_api(tmp_p
     assert "COMPRESSED" in target["note"] and "smaller than" in target["note"] and "folds 2" in target["note"]
 
 
+@pytest.mark.slow
 def test_refining_a_compressed_latent_fits_each_layer_and_moves_only_what_vllm_reads(tmp_path):
     """A tiny Llama's latent compressed to a third of what it needs (`ExportChoices(rank=…)`, as
     every 7B+ source's is into vLLM's 512), without and with attention-output refinement: refined,
@@ -611,6 +614,7 @@ def test_attention_probabilities_are_the_modules_own():
     assert torch.allclose(causal, captured["probs"], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_fitted_stand_in_beats_unrotated_terms_on_smollm2(smollm2, tmp_path):
     """SmolLM2 (G = 3) calibrated on one Austen novel, perplexity on another: the fitted stand-in
     for the dropped rotations loses less than keeping the position-free terms unrotated."""

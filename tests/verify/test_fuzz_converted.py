@@ -9,6 +9,7 @@ import struct
 from pathlib import Path
 
 import fuzzing
+import pytest
 import torch
 from fuzzing import DROP, Case, Tally, dump, invoke, outcome, pack, read_json, set_config, write_json
 
@@ -348,6 +349,7 @@ def verify_cases(converted: Path) -> list[Case]:
     return cases
 
 
+@pytest.mark.slow
 def test_damaged_converted_directories_never_pass(tmp_path, converted):
     cases = verify_cases(converted)
     tally = Tally("damaged converted directories (convert verify)")

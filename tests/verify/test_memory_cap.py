@@ -24,6 +24,7 @@ def _memory(out) -> dict:
     return report["memory"] | {"e2e": report["end_to_end"]}
 
 
+@pytest.mark.slow
 def test_a_cap_too_small_is_refused_up_front_naming_the_smallest_that_works(tmp_path):
     """Refused before anything is written (exit 2, one line), naming the smallest cap; that cap then
     converts and verifies, and the report's measured peak is under it."""
@@ -82,6 +83,7 @@ with large_allocations_mapped() if sys.argv[1] == "mapped" else contextlib.nullc
 """
 
 
+@pytest.mark.slow
 def test_verification_maps_large_blocks_so_a_freed_layer_leaves_no_resident_pages():
     """Streamed verification builds and drops every decoder layer once per generated token. glibc serves
     such blocks from its heap once a freed one has raised its threshold, and they stay resident (SmolLM2

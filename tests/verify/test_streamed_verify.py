@@ -74,6 +74,7 @@ def test_streamed_report_says_greedy_was_skipped(tiny_llama_dir, tmp_path):
     assert "| end-to-end mode | streamed |" in markdown
 
 
+@pytest.mark.slow
 def test_streamed_equals_whole_on_smollm2(smollm2, tmp_path):
     """The real model, 256 tokens of Emma: streamed == whole to 1e-6."""
     import realdata
