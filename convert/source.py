@@ -122,14 +122,26 @@ def check_layer(source, spec: AttentionSpec, layer: int) -> None:
             _check_floating(source, name)
 
 
+#: The dtypes a source's weights may be stored in: what the factorizations, verification's bounds and every
+#: target are written for. float8 (F8_E4M3, F8_E5M2) is a quantized checkpoint's, with its own scales.
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _check_floating(source, name: str) -> None:
-    """A weight stored as integers or booleans is a damaged header (e.g. F32 relabelled I32), never a model."""
+    """A weight stored as integers or booleans is a damaged header (e.g. F32 relabelled I32), never a model;
+    one in float8 is a quantized checkpoint, which convert does not read."""
     dtype = source.dtype(name)
+    where = f"{source.entry(name).file}: " if hasattr(source, "entry") else ""
+    stored = str(dtype).removeprefix("torch.")
     if not dtype.is_floating_point:
-        where = f"{source.entry(name).file}: " if hasattr(source, "entry") else ""
         raise ConvertError(
-            f"{where}{name} is stored as {str(dtype).removeprefix('torch.')}, but model weights are floating point; "
+            f"{where}{name} is stored as {stored}, but model weights are floating point; "
             "the checkpoint's header is damaged or it is quantized: re-export it in float16/bfloat16/float32"
+        )
+    if dtype not in WEIGHT_DTYPES:
+        raise ConvertError(
+            f"{where}{name} is stored as {stored}, a quantized format convert does not read; "
+            "dequantize the checkpoint to bfloat16 (or float16/float32) and convert that"
         )
 
 

@@ -152,6 +152,14 @@ def test_config_hidden_size_contradicts_shapes(tmp_path, src):
     _convert_fails(tmp_path, src, must_name=["hidden_size=48"])
 
 
+def test_float8_checkpoint_is_refused_naming_the_fix(tmp_path, src):
+    """A float8 checkpoint (safetensors F8_E4M3) is quantized: refused before anything is computed, not
+    an internal error of the first reduction over it."""
+    _resave(src, lambda t: t.update({k: v.to(torch.float8_e4m3fn) for k, v in t.items()}))
+    line = _convert_fails(tmp_path, src, must_name=["float8_e4m3fn", "dequantize"])
+    assert ".q_proj.weight" in line or ".k_proj.weight" in line or "embed" in line, line
+
+
 def test_tensor_shape_contradicts_config(tmp_path, src):
     name = ATTN.format(i=1, p="v_proj")
     _resave(src, lambda t: t.__setitem__(name, t[name][:16].contiguous()))
