@@ -131,18 +131,19 @@ def _check_floating(source, name: str) -> None:
     """A weight stored as integers or booleans is a damaged header (e.g. F32 relabelled I32), never a model;
     one in float8 is a quantized checkpoint, which convert does not read."""
     dtype = source.dtype(name)
+    if dtype in WEIGHT_DTYPES:
+        return
     where = f"{source.entry(name).file}: " if hasattr(source, "entry") else ""
-    stored = str(dtype).removeprefix("torch.")
+    stored = f"{where}{name} is stored as {str(dtype).removeprefix('torch.')}"
     if not dtype.is_floating_point:
         raise ConvertError(
-            f"{where}{name} is stored as {stored}, but model weights are floating point; "
+            f"{stored}, but model weights are floating point; "
             "the checkpoint's header is damaged or it is quantized: re-export it in float16/bfloat16/float32"
         )
-    if dtype not in WEIGHT_DTYPES:
-        raise ConvertError(
-            f"{where}{name} is stored as {stored}, a quantized format convert does not read; "
-            "dequantize the checkpoint to bfloat16 (or float16/float32) and convert that"
-        )
+    raise ConvertError(
+        f"{stored}, a quantized format convert does not read; "
+        "dequantize the checkpoint to bfloat16 (or float16/float32) and convert that"
+    )
 
 
 def _check_attention_shapes(source, spec: AttentionSpec, layer: int) -> None:
